@@ -1,0 +1,1 @@
+"""Everything that talks to an engine, and the simulated engine."""

@@ -1,0 +1,68 @@
+"""Named hardware/model profiles (``profiles.json``): the public facts an engine's timing is
+derived from. The sim engine model turns them into step times; analytic predictors may use the
+same public facts (never the engine model's formulas)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+from typing import Any
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    description: str
+    model: dict[str, Any]
+    hardware: dict[str, Any]
+    efficiency: dict[str, Any]
+    sources: tuple[str, ...] = ()
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        m = self.model
+        return 2 * m["layers"] * m["kv_heads"] * m["head_dim"] * m["dtype_bytes"]
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.model["params"] * self.model["dtype_bytes"]
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self.model["max_model_len"])
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """KV tokens that fit on the devices after weights and activations (vLLM's budget)."""
+        hw, eff = self.hardware, self.efficiency
+        usable = hw["gpus"] * hw["hbm_gb"] * GB * eff["gpu_memory_utilization"]
+        free = usable - self.weight_bytes - eff["activation_reserve_gb"] * GB
+        return max(0, int(free // self.kv_bytes_per_token))
+
+    @property
+    def host_capacity_tokens(self) -> int:
+        return int(self.hardware["host_mem_gb"] * GB // self.kv_bytes_per_token)
+
+    @property
+    def net_bytes_per_s(self) -> float:
+        return self.hardware["net_gbps"] * GB
+
+
+@cache
+def _all() -> dict[str, dict[str, Any]]:
+    return json.loads(resources.files("engines_adapters.sim").joinpath("profiles.json").read_text())
+
+
+def profile_names() -> list[str]:
+    return sorted(_all())
+
+
+def load_profile(name: str) -> Profile:
+    raw = _all().get(name)
+    if raw is None:
+        raise KeyError(f"unknown profile {name!r}; known: {', '.join(profile_names())}")
+    return Profile(name=name, description=raw["description"], model=raw["model"], hardware=raw["hardware"],
+                   efficiency=raw["efficiency"], sources=tuple(raw.get("sources", ())))

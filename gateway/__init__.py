@@ -1,0 +1,1 @@
+"""Mooncake-style Conductor: the OpenAI-compatible gateway and the `conductor` command."""

@@ -1,0 +1,1 @@
+"""Workloads, the HTTP load runner, metrics, reports and plots."""

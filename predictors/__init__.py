@@ -1,0 +1,1 @@
+"""Latency predictors (queue, prefill, transfer, TBT), the telemetry schema, calibration."""
