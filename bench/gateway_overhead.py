@@ -1,0 +1,139 @@
+"""Gateway overhead: streaming through `conductor serve` vs straight to the same sim engines.
+
+Starts two `both` sim engines and a gateway in front of them (all on loopback), then runs rounds
+that alternate direct and gateway traffic at the same concurrency, so machine noise hits both.
+Prints one JSON line: added TTFT p50/p99 at low load (one stream at a time) and the ratio of
+streamed tokens per second at high load (default 32 concurrent 64-token streams).
+
+    .venv/bin/python bench/gateway_overhead.py [--concurrency 32] [--tokens 64] [--rounds 3]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import aiohttp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from gateway.embedded import free_port  # noqa: E402
+
+
+def start(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "gateway.cli", *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONHASHSEED": "0"})
+
+
+async def wait_http(url: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession() as s:
+        while time.monotonic() < deadline:
+            try:
+                async with s.get(url, timeout=aiohttp.ClientTimeout(total=1)) as r:
+                    if r.status == 200:
+                        return
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                pass
+            await asyncio.sleep(0.1)
+    raise RuntimeError(f"{url} not ready")
+
+
+async def one_stream(s: aiohttp.ClientSession, base: str, model: str, i: int, tokens: int) -> tuple[float, int, float]:
+    body = {"model": model, "messages": [{"role": "user", "content": f"request {i} " + "x" * 200}],
+            "max_tokens": tokens, "ignore_eos": True, "stream": True}
+    t0 = time.perf_counter()
+    first, n = None, 0
+    async with s.post(base + "/v1/chat/completions", json=body) as r:
+        assert r.status == 200, await r.text()
+        async for line in r.content:
+            if line.startswith(b"data: {") and b'"content":"' in line and b'"content":""' not in line:
+                n += 1
+                if first is None:
+                    first = time.perf_counter() - t0
+    return first or 0.0, n, time.perf_counter() - t0
+
+
+async def run(base: str, model: str, concurrency: int, tokens: int, salt: int) -> tuple[list[float], float]:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        t0 = time.perf_counter()
+        res = await asyncio.gather(*(one_stream(s, base, model, salt * 1000 + i, tokens) for i in range(concurrency)))
+        wall = time.perf_counter() - t0
+    return [r[0] for r in res], sum(r[1] for r in res) / wall
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+async def main_async(a) -> dict:
+    ports = [free_port() for _ in range(2)]
+    gw_port = free_port()
+    procs = [start(["sim-engine", "--role", "both", "--port", str(p), "--time-scale", str(a.time_scale)]) for p in ports]
+    try:
+        for p in ports:
+            await wait_http(f"http://127.0.0.1:{p}/health")
+        cfg = tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False)
+        cfg.write("policy = \"round_robin\"\n[slo]\nttft_ms = 600000\ntbt_ms = 600000\n")
+        for i, p in enumerate(ports):
+            cfg.write(f"[[engines]]\nid = \"e{i}\"\nrole = \"both\"\nkind = \"sim\"\nurl = \"http://127.0.0.1:{p}\"\n")
+        cfg.close()
+        procs.append(start(["serve", "--config", cfg.name, "--port", str(gw_port), "--log-level", "warning"]))
+        gw = f"http://127.0.0.1:{gw_port}"
+        await wait_http(gw + "/ready")
+        async with aiohttp.ClientSession() as s:
+            async with s.get(gw + "/v1/models") as r:
+                model = (await r.json())["data"][0]["id"]
+        direct = [f"http://127.0.0.1:{p}" for p in ports]
+        ttft_d, ttft_g, tps_d, tps_g = [], [], [], []
+        salt = 0
+        for _ in range(a.rounds):  # interleaved rounds: noise hits both paths alike
+            for _ in range(a.low_load_requests):
+                salt += 1
+                ttft_d += (await run(direct[salt % 2], model, 1, 8, salt))[0]
+                salt += 1
+                ttft_g += (await run(gw, model, 1, 8, salt))[0]
+            half = a.concurrency // 2
+            salt += 1
+            d0, d1 = await asyncio.gather(run(direct[0], model, half, a.tokens, salt),
+                                          run(direct[1], model, a.concurrency - half, a.tokens, salt + 500))
+            tps_d.append(d0[1] + d1[1])
+            salt += 1
+            tps_g.append((await run(gw, model, a.concurrency, a.tokens, salt))[1])
+        added = [g - d for g, d in zip(sorted(ttft_g), sorted(ttft_d))]
+        return {"bench": "gateway_overhead", "concurrency": a.concurrency, "tokens": a.tokens, "rounds": a.rounds,
+                "direct_ttft_p50_ms": round(pct(ttft_d, 0.5) * 1e3, 3), "gateway_ttft_p50_ms": round(pct(ttft_g, 0.5) * 1e3, 3),
+                "added_ttft_p50_ms": round((pct(ttft_g, 0.5) - pct(ttft_d, 0.5)) * 1e3, 3),
+                "added_ttft_p99_ms": round((pct(ttft_g, 0.99) - pct(ttft_d, 0.99)) * 1e3, 3),
+                "added_ttft_median_of_pairs_ms": round(statistics.median(added) * 1e3, 3),
+                "direct_tokens_per_s": round(statistics.median(tps_d), 1),
+                "gateway_tokens_per_s": round(statistics.median(tps_g), 1),
+                "throughput_ratio": round(statistics.median(tps_g) / statistics.median(tps_d), 3)}
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--low-load-requests", type=int, default=30)
+    ap.add_argument("--time-scale", type=float, default=1.0)
+    print(json.dumps(asyncio.run(main_async(ap.parse_args()))))
+
+
+if __name__ == "__main__":
+    main()

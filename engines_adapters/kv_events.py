@@ -1,0 +1,183 @@
+"""KV cache event subscriber (vLLM 0.33 / SGLang ZMQ wire format, PROTOCOLS.md §3).
+
+One subscriber per engine keeps that engine's part of the hit index true: it replays history on
+connect, replays again on a sequence gap, and drops and rebuilds the instance's index when replay
+cannot cover the gap or the engine restarted (sequence went backwards).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import struct
+from dataclasses import dataclass
+from typing import Protocol
+from urllib.parse import urlsplit
+
+import zmq
+import zmq.asyncio
+
+from engines_adapters.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
+
+log = logging.getLogger(__name__)
+_END_SEQ = -1
+
+
+class HitIndexSink(Protocol):
+    """What the subscriber feeds: the scheduler's hit index has exactly these methods."""
+
+    def block_stored(self, instance_id: str, block_hashes: list[int], parent_block_hash: int | None,
+                     token_ids: list[int], block_size: int, medium: str | None = "GPU") -> bool: ...
+    def block_removed(self, instance_id: str, block_hashes: list[int], medium: str | None = "GPU") -> bool: ...
+    def all_cleared(self, instance_id: str) -> None: ...
+    def drop_instance(self, instance_id: str) -> None: ...
+
+
+def engine_binds(endpoint: str) -> bool:
+    """vLLM's rule: the publisher binds for wildcard hosts and ipc/inproc, otherwise it connects."""
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return True
+    host = endpoint.split("://", 1)[-1].rsplit(":", 1)[0]
+    return host in ("*", "[::]", "::", "0.0.0.0")
+
+
+def subscriber_address(endpoint: str, engine_url: str) -> str:
+    """Where our side connects when the engine binds a wildcard: the engine's own host."""
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return endpoint
+    scheme, rest = endpoint.split("://", 1)
+    port = rest.rsplit(":", 1)[1]
+    return f"{scheme}://{urlsplit(engine_url).hostname or '127.0.0.1'}:{port}"
+
+
+@dataclass
+class SubscriberStats:
+    batches: int = 0
+    events: int = 0
+    last_seq: int = -1
+    gaps: int = 0
+    replays: int = 0
+    rebuilds: int = 0
+    ignored: int = 0
+
+
+class KVEventSubscriber:
+    def __init__(self, ctx: zmq.asyncio.Context, instance_id: str, endpoint: str, sink: HitIndexSink, *,
+                 engine_url: str = "http://127.0.0.1", replay_endpoint: str | None = None, topic: bytes = b"",
+                 replay_timeout_s: float = 2.0):
+        self.ctx, self.instance_id, self.sink = ctx, instance_id, sink
+        self.endpoint, self.engine_url, self.replay_endpoint = endpoint, engine_url, replay_endpoint
+        self.topic, self.replay_timeout_s = topic, replay_timeout_s
+        self.stats = SubscriberStats()
+        self._sub: zmq.asyncio.Socket | None = None
+        self._live_last = -1
+
+    def open(self) -> None:
+        """Bind or connect the SUB socket now, so an engine that connects later finds it."""
+        sub = self.ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        sub.setsockopt(zmq.LINGER, 0)
+        if engine_binds(self.endpoint):
+            sub.connect(subscriber_address(self.endpoint, self.engine_url))
+        else:
+            sub.bind(self.endpoint)
+        self._sub = sub
+
+    def close(self) -> None:
+        if self._sub is not None:
+            self._sub.close(0)
+            self._sub = None
+
+    async def run(self) -> None:
+        if self._sub is None:
+            self.open()
+        try:
+            await self._recover(0)  # a subscriber that joins late would otherwise see no history
+            while True:
+                frames = await self._sub.recv_multipart()
+                if len(frames) != 3 or len(frames[1]) != 8:
+                    self.stats.ignored += 1
+                    continue
+                await self._on_batch(struct.unpack(">Q", frames[1])[0], frames[2])
+        finally:
+            self.close()
+
+    async def _on_batch(self, seq: int, payload: bytes) -> None:
+        if seq < self._live_last:  # live batches from one publisher are ordered: it restarted
+            self._rebuild()
+        self._live_last = seq
+        last = self.stats.last_seq
+        if seq <= last:
+            return  # already applied during a replay
+        if seq > last + 1:
+            self.stats.gaps += last >= 0
+            await self._recover(last + 1)
+        if seq > self.stats.last_seq:
+            self._apply(seq, payload)
+
+    def _rebuild(self) -> None:
+        """Forget everything this instance holds; later events build it again."""
+        self.stats.rebuilds += 1
+        self.sink.drop_instance(self.instance_id)
+        self.stats.last_seq = -1
+
+    async def _recover(self, start: int) -> None:
+        """Replay batches >= start; when the engine's buffer no longer reaches back that far (or
+        there is no replay socket), drop the instance's index and keep what the replay gives."""
+        batches = await self._fetch_replay(start)
+        covered = batches is not None and (batches[0][0] <= start if batches else start == 0)
+        if not covered and (self.stats.last_seq >= 0 or start > 0):
+            self._rebuild()
+        for seq, payload in batches or ():
+            if seq > self.stats.last_seq:
+                self._apply(seq, payload)
+
+    async def _fetch_replay(self, start: int) -> list[tuple[int, bytes]] | None:
+        if self.replay_endpoint is None:
+            return None
+        self.stats.replays += 1
+        dealer = self.ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        addr = self.replay_endpoint
+        dealer.connect(subscriber_address(addr, self.engine_url) if engine_binds(addr) else addr)
+        out: list[tuple[int, bytes]] = []
+        try:
+            await dealer.send_multipart([b"", struct.pack(">Q", start)])
+            for _ in range(1_000_000):  # bounded: an engine buffers far fewer batches
+                frames = await asyncio.wait_for(dealer.recv_multipart(), self.replay_timeout_s)
+                if len(frames) != 4 or len(frames[2]) != 8:
+                    self.stats.ignored += 1
+                    continue
+                if struct.unpack(">q", frames[2])[0] == _END_SEQ:
+                    return out
+                out.append((struct.unpack(">Q", frames[2])[0], frames[3]))
+        except asyncio.TimeoutError:
+            log.warning("kv events %s: replay from %d timed out", self.instance_id, start)
+        finally:
+            dealer.close(0)
+        return None
+
+    def _apply(self, seq: int, payload: bytes) -> None:
+        try:
+            _, events, _ = decode_batch(payload)
+        except Exception as e:  # a malformed batch must not kill the subscriber
+            log.warning("kv events %s: undecodable batch %d: %s", self.instance_id, seq, e)
+            self.stats.ignored += 1
+            self.stats.last_seq = seq
+            return
+        self.stats.last_seq = seq
+        self.stats.batches += 1
+        sink, iid = self.sink, self.instance_id
+        for ev in events:
+            self.stats.events += 1
+            if isinstance(ev, BlockStored):
+                ok = sink.block_stored(iid, list(ev.block_hashes), ev.parent_block_hash, list(ev.token_ids),
+                                       ev.block_size, ev.medium)
+            elif isinstance(ev, BlockRemoved):
+                ok = sink.block_removed(iid, list(ev.block_hashes), ev.medium)
+            elif isinstance(ev, AllBlocksCleared):
+                sink.all_cleared(iid)
+                ok = True
+            else:
+                ok = False
+            if ok is False:
+                self.stats.ignored += 1

@@ -1,0 +1,128 @@
+"""The gateway's ASGI app: OpenAI routes through the proxy, health, readiness, metrics, admin."""
+from __future__ import annotations
+
+import contextlib
+import logging
+
+from fastapi import FastAPI, Query
+from fastapi.exceptions import RequestValidationError
+from opentelemetry import trace
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from gateway.cluster import Cluster
+from gateway.config import GatewayConfig
+from gateway.embedded import EmbeddedCluster
+from gateway.errors import error_response
+from gateway.observability import GatewayMetrics, TelemetryWriter, make_tracer_provider
+from gateway.proxy import Proxy
+from gateway.tokenizers import BuiltinTokenizer, EngineTokenizer, HFTokenizer
+
+log = logging.getLogger("conductor")
+
+
+def create_app(cfg: GatewayConfig) -> FastAPI:
+    state: dict = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        embedded = None
+        engines = list(cfg.engines)
+        telemetry = TelemetryWriter(cfg.telemetry_path)
+        provider = make_tracer_provider(cfg.otel_exporter, cfg.otel_endpoint)
+        try:
+            if cfg.embedded is not None:
+                em = cfg.embedded
+                log.info("starting embedded cluster: %d prefill + %d decode + %d both (%s, time scale %g)",
+                         em.prefill, em.decode, em.both, em.profile, em.time_scale)
+                embedded = EmbeddedCluster(em)
+                engines += embedded.start()
+                await embedded.wait_ready()
+            cluster = Cluster(cfg, engines)
+            await cluster.start()
+            tracer = provider.get_tracer("conductor") if provider else trace.NoOpTracer()
+            metrics = GatewayMetrics()
+            state.update(cluster=cluster, metrics=metrics,
+                         proxy=Proxy(cfg, cluster, metrics, telemetry, _tokenizer(cfg, cluster), tracer))
+            log.info("cluster: %s; ready=%s", ", ".join(f"{e.id}({e.role}) {e.url}" for e in engines), cluster.ready())
+            yield
+        finally:
+            if "cluster" in state:
+                await state["cluster"].stop()
+            if embedded is not None:
+                embedded.stop()
+            telemetry.close()
+            if provider is not None:
+                provider.shutdown()
+
+    app = FastAPI(title="Conductor", lifespan=lifespan, docs_url=None, redoc_url=None)
+
+    async def chat(request: Request):
+        return await state["proxy"].handle(request, "chat")
+
+    async def completions(request: Request):
+        return await state["proxy"].handle(request, "completions")
+
+    # plain Starlette routes: the hot path skips FastAPI's dependency machinery
+    app.add_route("/v1/chat/completions", chat, methods=["POST"])
+    app.add_route("/v1/completions", completions, methods=["POST"])
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": m, "object": "model", "owned_by": "conductor"}
+                                           for m in state["cluster"].models]}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        ok = state["cluster"].ready()
+        return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        m: GatewayMetrics = state["metrics"]
+        cluster: Cluster = state["cluster"]
+        for inst in cluster.scheduler.snapshot()["instances"]:
+            m.inst_healthy.labels(inst["id"], inst["role"]).set(1 if cluster.healthy.get(inst["id"]) else 0)
+            m.inst_prefill_tokens.labels(inst["id"]).set(inst["reserved_prefill_tokens"])
+            m.inst_active.labels(inst["id"]).set(inst["active_requests"])
+        return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/admin/cluster")
+    async def admin_cluster():
+        return state["cluster"].admin_view()
+
+    @app.get("/admin/decisions")
+    async def admin_decisions(limit: int = Query(20, ge=1, le=10_000)):
+        decisions = state["cluster"].scheduler.decisions
+        return {"decisions": list(decisions)[-limit:]}
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        return error_response(exc.status_code, str(exc.detail), "not_found" if exc.status_code == 404 else None)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        return error_response(400, f"invalid parameter {param}: {first.get('msg', 'invalid')}", "invalid_parameter", param)
+
+    return app
+
+
+def _tokenizer(cfg: GatewayConfig, cluster: Cluster):
+    if cfg.tokenizer == "engine":
+        def pick():
+            for eid, ok in cluster.healthy.items():
+                if ok:
+                    return cluster.clients[eid]
+            return None
+        return EngineTokenizer(pick)
+    if cfg.tokenizer == "hf":
+        return HFTokenizer(cfg.tokenizer_path)
+    return BuiltinTokenizer()

@@ -1,0 +1,120 @@
+"""The gateway's live view of its engines: clients, KV event subscribers feeding the scheduler's
+hit index, and health/load polling that ejects and readmits instances."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import aiohttp
+import zmq.asyncio
+
+from engines_adapters.kv_events import KVEventSubscriber
+from engines_adapters.vllm_client import EngineClient
+from gateway.config import EngineConfig, GatewayConfig
+from scheduler import Instance, Scheduler
+
+log = logging.getLogger(__name__)
+
+
+class Cluster:
+    def __init__(self, cfg: GatewayConfig, engines: list[EngineConfig]):
+        self.cfg, self.engines = cfg, {e.id: e for e in engines}
+        self.scheduler = Scheduler(
+            [Instance(e.id, e.role, profile=e.profile, healthy=False) for e in engines],
+            policy=cfg.policy, slo=cfg.slo, block_size=cfg.block_size, clock=time.monotonic,
+            early_rejection=cfg.early_rejection, keep_decisions=cfg.keep_decisions, **cfg.policy_params)
+        self.session: aiohttp.ClientSession | None = None
+        self.clients: dict[str, EngineClient] = {}
+        self.subscribers: dict[str, KVEventSubscriber] = {}
+        self.healthy: dict[str, bool] = {e.id: False for e in engines}
+        self.failures: dict[str, int] = {e.id: 0 for e in engines}
+        self.models: list[str] = []
+        self._zmq = zmq.asyncio.Context()
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        conn = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
+        self.session = aiohttp.ClientSession(connector=conn, auto_decompress=False)
+        for e in self.engines.values():
+            self.clients[e.id] = EngineClient(self.session, e.id, e.url, connect_timeout_s=self.cfg.upstream_connect_timeout_s,
+                                              timeout_s=self.cfg.upstream_timeout_s)
+            if e.kv_events:
+                sub = KVEventSubscriber(self._zmq, e.id, e.kv_events, self.scheduler.index, engine_url=e.url,
+                                        replay_endpoint=e.kv_events_replay)
+                sub.open()
+                self.subscribers[e.id] = sub
+                self._tasks.append(asyncio.create_task(sub.run(), name=f"kv-events-{e.id}"))
+        await self.poll_once()
+        self._tasks.append(asyncio.create_task(self._poll_forever(), name="health-poll"))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        if self.session is not None:
+            await self.session.close()
+        self._zmq.term()
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.health_interval_s)
+            try:
+                await self.poll_once()
+            except Exception:  # polling must outlive any one bad answer
+                log.exception("health poll failed")
+
+    async def poll_once(self) -> None:
+        ids = list(self.clients)
+        results = await asyncio.gather(*(self._poll(i) for i in ids))
+        models: set[str] = set()
+        for ms in results:
+            models.update(ms)
+        if models:
+            self.models = sorted(models)
+
+    async def _poll(self, eid: str) -> list[str]:
+        client = self.clients[eid]
+        ok = await client.health()
+        if ok:
+            self.failures[eid] = 0
+            if not self.healthy[eid]:
+                log.info("instance %s is healthy: admitted", eid)
+                self.set_healthy(eid, True)
+            load = await client.load()
+            if load is not None:
+                self.scheduler.observe_load(eid, running=load.running, waiting=load.waiting, kv_usage=load.kv_usage)
+            return await client.models()
+        self.failures[eid] += 1
+        if self.healthy[eid] and self.failures[eid] >= self.cfg.eject_after_failures:
+            log.warning("instance %s failed %d health checks: ejected", eid, self.failures[eid])
+            self.set_healthy(eid, False)
+        return []
+
+    def set_healthy(self, eid: str, healthy: bool) -> None:
+        self.healthy[eid] = healthy
+        self.scheduler.set_healthy(eid, healthy)
+
+    def report_failure(self, eid: str) -> None:
+        """A request could not reach the engine: count it like a failed health check."""
+        self.failures[eid] += 1
+        if self.healthy[eid] and self.failures[eid] >= self.cfg.eject_after_failures:
+            self.set_healthy(eid, False)
+
+    def ready(self) -> bool:
+        roles = {self.engines[i].role for i, h in self.healthy.items() if h}
+        return "both" in roles or {"prefill", "decode"} <= roles
+
+    def admin_view(self) -> dict:
+        snap = self.scheduler.snapshot()
+        for inst in snap.get("instances", []):
+            e = self.engines.get(inst["id"])
+            if e is not None:
+                inst["url"] = e.url
+                inst["kind"] = e.kind
+                inst["healthy"] = self.healthy.get(e.id, False)
+                sub = self.subscribers.get(e.id)
+                if sub is not None:
+                    inst["kv_events"] = vars(sub.stats).copy()
+        return snap

@@ -1,0 +1,148 @@
+"""Gateway configuration: a TOML file (documented in docs/gateway.md, example in
+examples/conductor.toml), or nothing for the embedded simulated cluster."""
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from typing import Any
+
+from predictors.telemetry import SLO
+
+ROLES = ("prefill", "decode", "both")
+KINDS = ("vllm", "sim")
+TOKENIZERS = ("builtin", "engine", "hf")
+
+
+class ConfigError(ValueError):
+    """A configuration the gateway cannot run with (one-line message)."""
+
+
+@dataclass
+class EngineConfig:
+    id: str
+    role: str
+    url: str
+    kind: str = "vllm"
+    kv_events: str | None = None  # endpoint the gateway's SUB binds/connects (vLLM's rule, mirrored)
+    kv_events_replay: str | None = None  # the engine's replay (ROUTER) endpoint
+    profile: str = "llama3-8b-h200"
+
+
+@dataclass
+class EmbeddedConfig:
+    prefill: int = 2
+    decode: int = 2
+    both: int = 0
+    profile: str = "llama3-8b-h200"
+    time_scale: float = 1.0
+    seed: int = 0
+    extra_args: list[str] = field(default_factory=list)
+
+
+@dataclass
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    policy: str = "conductor"
+    slo: SLO = field(default_factory=lambda: SLO(ttft_s=30.0, tbt_s=0.2))
+    block_size: int = 16
+    tokenizer: str = "builtin"
+    tokenizer_path: str | None = None
+    engines: list[EngineConfig] = field(default_factory=list)
+    embedded: EmbeddedConfig | None = field(default_factory=EmbeddedConfig)
+    max_body_bytes: int = 8 * 1024 * 1024
+    upstream_connect_timeout_s: float = 5.0
+    upstream_timeout_s: float = 600.0  # whole request; 504 when exceeded before the first byte
+    default_max_tokens: int = 256
+    health_interval_s: float = 1.0
+    eject_after_failures: int = 3
+    telemetry_path: str | None = None
+    otel_exporter: str = "none"  # none | console | otlp
+    otel_endpoint: str | None = None
+    early_rejection: bool = False
+    keep_decisions: int = 1000
+    policy_params: dict[str, Any] = field(default_factory=dict)
+
+
+def _take(section: dict[str, Any], cls, where: str):
+    known = set(cls.__dataclass_fields__)
+    unknown = set(section) - known
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
+    try:
+        return cls(**section)
+    except TypeError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def parse_config(raw: dict[str, Any]) -> GatewayConfig:
+    raw = dict(raw)
+    engines = [_take(dict(e), EngineConfig, f"engines[{i}]") for i, e in enumerate(raw.pop("engines", []))]
+    embedded_raw = raw.pop("embedded", None)
+    slo_raw = raw.pop("slo", None)
+    cfg = _take(raw, GatewayConfig, "config")
+    cfg.engines = engines
+    if slo_raw is not None:
+        unknown = set(slo_raw) - {"ttft_ms", "tbt_ms"}
+        if unknown:
+            raise ConfigError(f"slo: unknown key(s) {', '.join(sorted(unknown))}")
+        cfg.slo = SLO(ttft_s=_ms(slo_raw.get("ttft_ms")), tbt_s=_ms(slo_raw.get("tbt_ms")))
+    if engines:
+        cfg.embedded = None if embedded_raw is None else _take(embedded_raw, EmbeddedConfig, "embedded")
+    elif embedded_raw is not None:
+        cfg.embedded = _take(embedded_raw, EmbeddedConfig, "embedded")
+    validate(cfg)
+    return cfg
+
+
+def _ms(v: Any) -> float | None:
+    if v is None:
+        return None
+    if not isinstance(v, (int, float)) or v <= 0:
+        raise ConfigError(f"slo: milliseconds must be positive numbers, got {v!r}")
+    return v / 1000.0
+
+
+def validate(cfg: GatewayConfig) -> None:
+    seen = set()
+    for e in cfg.engines:
+        if e.id in seen:
+            raise ConfigError(f"engines: duplicate id {e.id!r}")
+        seen.add(e.id)
+        if e.role not in ROLES:
+            raise ConfigError(f"engine {e.id}: role must be one of {ROLES}, got {e.role!r}")
+        if e.kind not in KINDS:
+            raise ConfigError(f"engine {e.id}: kind must be one of {KINDS}, got {e.kind!r}")
+        if not e.url.startswith(("http://", "https://")):
+            raise ConfigError(f"engine {e.id}: url must be http(s)://..., got {e.url!r}")
+    if not cfg.engines and cfg.embedded is None:
+        raise ConfigError("no engines configured and the embedded cluster is disabled")
+    if cfg.embedded is not None:
+        em = cfg.embedded
+        if min(em.prefill, em.decode, em.both) < 0 or em.prefill + em.decode + em.both == 0:
+            raise ConfigError("embedded: need at least one engine")
+        if (em.prefill == 0) != (em.decode == 0):
+            raise ConfigError("embedded: prefill and decode engines come in pairs (or use 'both')")
+        if em.time_scale <= 0:
+            raise ConfigError("embedded: time_scale must be > 0")
+    if cfg.tokenizer not in TOKENIZERS:
+        raise ConfigError(f"tokenizer must be one of {TOKENIZERS}, got {cfg.tokenizer!r}")
+    if cfg.tokenizer == "hf" and not cfg.tokenizer_path:
+        raise ConfigError("tokenizer 'hf' needs tokenizer_path (a Hugging Face tokenizer directory)")
+    if cfg.block_size <= 0 or cfg.max_body_bytes <= 0 or cfg.default_max_tokens <= 0:
+        raise ConfigError("block_size, max_body_bytes and default_max_tokens must be positive")
+    if cfg.otel_exporter not in ("none", "console", "otlp"):
+        raise ConfigError(f"otel_exporter must be none, console or otlp, got {cfg.otel_exporter!r}")
+
+
+def load_config(path: str | None) -> GatewayConfig:
+    if path is None:
+        return GatewayConfig()
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config {path} is not valid TOML: {e}") from None
+    return parse_config(raw)

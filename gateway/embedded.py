@@ -1,0 +1,74 @@
+"""The embedded simulated cluster: `conductor serve` with no configuration starts sim engines
+as child processes on loopback (each with KV events) and routes to them."""
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import aiohttp
+
+from gateway.config import EmbeddedConfig, EngineConfig
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EmbeddedCluster:
+    def __init__(self, cfg: EmbeddedConfig):
+        self.cfg = cfg
+        self.procs: list[subprocess.Popen] = []
+        self.engines: list[EngineConfig] = []
+
+    def start(self) -> list[EngineConfig]:
+        env = {**os.environ, "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED", "0")}
+        roles = ["prefill"] * self.cfg.prefill + ["decode"] * self.cfg.decode + ["both"] * self.cfg.both
+        counters: dict[str, int] = {}
+        for i, role in enumerate(roles):
+            counters[role] = counters.get(role, 0) + 1
+            eid = f"{role}-{counters[role]}"
+            port, kv, replay = free_port(), free_port(), free_port()
+            args = [sys.executable, "-m", "gateway.cli", "sim-engine", "--role", role, "--port", str(port),
+                    "--kv-events", f"tcp://127.0.0.1:{kv}", "--kv-events-replay", f"tcp://127.0.0.1:{replay}",
+                    "--profile", self.cfg.profile, "--time-scale", str(self.cfg.time_scale),
+                    "--seed", str(self.cfg.seed + i), *self.cfg.extra_args]
+            self.procs.append(subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL))
+            self.engines.append(EngineConfig(id=eid, role=role, url=f"http://127.0.0.1:{port}", kind="sim",
+                                             kv_events=f"tcp://127.0.0.1:{kv}",
+                                             kv_events_replay=f"tcp://127.0.0.1:{replay}", profile=self.cfg.profile))
+        return self.engines
+
+    async def wait_ready(self, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        async with aiohttp.ClientSession() as s:
+            for e, p in zip(self.engines, self.procs):
+                while True:
+                    if p.poll() is not None:
+                        raise RuntimeError(f"embedded engine {e.id} exited with code {p.returncode}")
+                    try:
+                        async with s.get(e.url + "/health", timeout=aiohttp.ClientTimeout(total=1)) as r:
+                            if r.status == 200:
+                                break
+                    except (aiohttp.ClientError, asyncio.TimeoutError):
+                        pass
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"embedded engine {e.id} not ready after {timeout_s:.0f} s")
+                    await asyncio.sleep(0.05)
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.procs.clear()

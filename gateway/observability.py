@@ -1,0 +1,87 @@
+"""Prometheus metrics, OpenTelemetry tracing and the telemetry JSONL writer of one gateway.
+
+Everything is per-app (its own registry and tracer provider): no global singletons, so tests can
+run several gateways in one process.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from typing import IO
+
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from predictors.telemetry import RequestRecord
+
+log = logging.getLogger(__name__)
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
+_ERR_BUCKETS = (-10, -5, -2, -1, -0.5, -0.25, -0.1, -0.05, 0, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("conductor_requests", "Finished requests by outcome", ["status", "reason"], registry=r)
+        self.ttft = Histogram("conductor_time_to_first_token_seconds", "Gateway-measured TTFT", buckets=_TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("conductor_inter_token_latency_seconds", "Gateway-measured gaps between token chunks",
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.ttft_error = Histogram("conductor_ttft_prediction_error_seconds", "Predicted minus actual TTFT",
+                                    buckets=_ERR_BUCKETS, registry=r)
+        self.decide = Histogram("conductor_decision_seconds", "Scheduler decision time",
+                                buckets=(1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2), registry=r)
+        self.inflight = Gauge("conductor_requests_in_flight", "Requests holding a reservation", registry=r)
+        self.inst_healthy = Gauge("conductor_instance_healthy", "1 when routable", ["instance", "role"], registry=r)
+        self.inst_prefill_tokens = Gauge("conductor_instance_reserved_prefill_tokens", "Queued prefill tokens (ledger)",
+                                         ["instance"], registry=r)
+        self.inst_active = Gauge("conductor_instance_active_requests", "Requests reserved (ledger)", ["instance"], registry=r)
+        self.inst_hit_tokens = Counter("conductor_instance_prefix_hit_tokens", "Prompt tokens served from cache",
+                                       ["instance"], registry=r)
+        self.inst_prompt_tokens = Counter("conductor_instance_prompt_tokens", "Prompt tokens routed", ["instance"], registry=r)
+
+    def observe(self, rec: RequestRecord) -> None:
+        self.requests.labels(rec.status, rec.reject_reason or "").inc()
+        if rec.status != "ok":
+            return
+        if rec.ttft_s is not None:
+            self.ttft.observe(rec.ttft_s)
+            if rec.predicted_ttft_s is not None:
+                self.ttft_error.observe(rec.predicted_ttft_s - rec.ttft_s)
+        for gap in rec.intervals:
+            self.itl.observe(gap)
+        if rec.prefill_instance:
+            self.inst_prompt_tokens.labels(rec.prefill_instance).inc(rec.prompt_tokens)
+            self.inst_hit_tokens.labels(rec.prefill_instance).inc(rec.hit_tokens)
+
+
+def make_tracer_provider(exporter: str, endpoint: str | None) -> TracerProvider | None:
+    if exporter == "none":
+        return None
+    provider = TracerProvider(resource=Resource.create({"service.name": "conductor-gateway"}))
+    if exporter == "console":
+        provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
+    else:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint) if endpoint else OTLPSpanExporter()))
+    return provider
+
+
+class TelemetryWriter:
+    """One JSONL line per finished request: the schema the predictors train on."""
+
+    def __init__(self, path: str | None):
+        self._f: IO[str] | None = open(path, "a", buffering=1) if path else None
+
+    def write(self, rec: RequestRecord) -> None:
+        if self._f is not None:
+            self._f.write(json.dumps(rec.to_dict()) + "\n")
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None

@@ -1,0 +1,43 @@
+"""``conductor serve``: the gateway, on the embedded simulated cluster unless a config names engines."""
+from __future__ import annotations
+
+import logging
+import socket
+
+from gateway.cli import CLIError, Parser, port
+from gateway.config import ConfigError, load_config
+
+
+def main(argv: list[str]) -> int:
+    p = Parser(prog="conductor serve", description="Serve the OpenAI-compatible gateway. With no --config it "
+               "starts an embedded simulated cluster (2 prefill + 2 decode engines) on loopback.")
+    p.add_argument("--config", help="TOML configuration (see docs/gateway.md and examples/conductor.toml)")
+    p.add_argument("--host", help="address to bind (default 127.0.0.1, or the config's host)")
+    p.add_argument("--port", type=port, help="port to bind (default 8000, or the config's port)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    args = p.parse_args(argv)
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as e:
+        raise CLIError(str(e)) from None
+    cfg.host = args.host or cfg.host
+    cfg.port = cfg.port if args.port is None else args.port
+    _check_bindable(cfg.host, cfg.port)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    import uvicorn
+
+    from gateway.app import create_app
+
+    uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level=args.log_level, access_log=False,
+                loop="uvloop", http="httptools", timeout_graceful_shutdown=5)
+    return 0
+
+
+def _check_bindable(host: str, port_: int) -> None:
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port_))
+    except OSError as e:
+        raise CLIError(f"cannot bind {host}:{port_}: {e.strerror}") from None

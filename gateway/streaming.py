@@ -1,0 +1,114 @@
+"""Forwarding an engine's response body to the client, byte for byte.
+
+SSE bytes are forwarded as whole events (never re-encoded); each forwarded event that carries
+content is timestamped for TTFT and inter-token telemetry. A client disconnect cancels the
+forwarding at once, which closes the upstream connection (the engine aborts the request).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+from starlette.responses import Response
+
+from gateway.errors import sse_error
+
+# a chat delta or completion choice with non-empty text: a token chunk, not a role-only chunk
+_CONTENT = re.compile(rb'"(?:content|text|reasoning_content)":\s?"(?!")')
+_USAGE = re.compile(rb'"usage":\s?\{')
+
+
+class StreamTally:
+    """What the gateway measures of one response as it passes through."""
+
+    __slots__ = ("token_times", "usage", "error", "disconnected")
+
+    def __init__(self) -> None:
+        self.token_times: list[float] = []
+        self.usage: dict[str, Any] | None = None
+        self.error: str | None = None
+        self.disconnected = False
+
+    def scan_events(self, events: bytes, now: float) -> None:
+        n = len(_CONTENT.findall(events))
+        if n:
+            self.token_times.extend([now] * n)
+        if _USAGE.search(events):
+            for line in events.split(b"\n"):
+                if line.startswith(b"data: {") and _USAGE.search(line):
+                    try:
+                        self.usage = json.loads(line[6:]).get("usage") or self.usage
+                    except ValueError:
+                        pass
+
+
+class UpstreamStream(Response):
+    """ASGI response streaming an aiohttp response; ``on_done(tally)`` runs exactly once."""
+
+    def __init__(self, resp: aiohttp.ClientResponse, headers: dict[str, str],
+                 on_done: Callable[[StreamTally], None], idle_timeout_s: float):
+        self.resp, self.extra_headers, self.on_done, self.idle_timeout_s = resp, headers, on_done, idle_timeout_s
+        self.tally = StreamTally()
+        self.status_code, self.background = 200, None
+
+    async def __call__(self, scope, receive, send) -> None:
+        main = asyncio.current_task()
+        tally = self.tally
+
+        async def watch_disconnect() -> None:
+            while True:
+                msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    tally.disconnected = True
+                    main.cancel()
+                    return
+
+        watcher = asyncio.create_task(watch_disconnect())
+        try:
+            hdrs = [(k.encode(), v.encode()) for k, v in self.extra_headers.items()]
+            hdrs.append((b"content-type", b"text/event-stream"))
+            hdrs.append((b"cache-control", b"no-cache"))
+            await send({"type": "http.response.start", "status": 200, "headers": hdrs})
+            await self._pump(send)
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not tally.disconnected:
+                raise
+            if hasattr(main, "uncancel"):
+                main.uncancel()
+        finally:
+            watcher.cancel()
+            self.resp.close()  # an unfinished upstream stream is aborted, the engine frees its KV
+            self.on_done(tally)  # synchronous: runs to the end even while cancelled
+
+    async def _pump(self, send) -> None:
+        tally, content = self.tally, self.resp.content
+        buf = b""
+        try:
+            while True:
+                chunk = await asyncio.wait_for(content.readany(), self.idle_timeout_s)
+                if not chunk:
+                    break
+                buf += chunk
+                cut = buf.rfind(b"\n\n")
+                if cut < 0:
+                    continue
+                events, buf = buf[: cut + 2], buf[cut + 2 :]
+                tally.scan_events(events, time.monotonic())
+                await send({"type": "http.response.body", "body": events, "more_body": True})
+        except asyncio.TimeoutError:
+            tally.error = "upstream timeout mid-stream"
+            await send({"type": "http.response.body", "body": sse_error(504, tally.error, "upstream_timeout"), "more_body": True})
+            return
+        except aiohttp.ClientError as e:
+            tally.error = f"engine failed mid-stream: {e.__class__.__name__}"
+            await send({"type": "http.response.body", "body": sse_error(502, tally.error, "upstream_failed"), "more_body": True})
+            return
+        if buf:  # an engine that ended without a final blank line
+            tally.scan_events(buf, time.monotonic())
+            await send({"type": "http.response.body", "body": buf, "more_body": True})

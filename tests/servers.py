@@ -1,0 +1,76 @@
+"""Starting and stopping real `conductor` processes on free loopback ports, for tests."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+
+import requests
+
+from gateway.embedded import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def conductor(*args: str, log: str | None = None) -> subprocess.Popen:
+    out = open(log, "wb") if log else subprocess.DEVNULL
+    return subprocess.Popen([sys.executable, "-m", "gateway.cli", *args], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONHASHSEED": "0"})
+
+
+def wait_until(url: str, proc: subprocess.Popen, timeout_s: float = 60.0, status: int = 200) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before {url} answered")
+        try:
+            if requests.get(url, timeout=1).status_code == status:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"{url} did not answer {status} within {timeout_s} s")
+
+
+def stop(*procs: subprocess.Popen) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+@contextmanager
+def sim_engine(role: str, *extra: str):
+    port, kv, replay = free_port(), free_port(), free_port()
+    proc = conductor("sim-engine", "--role", role, "--port", str(port), "--kv-events", f"tcp://127.0.0.1:{kv}",
+                     "--kv-events-replay", f"tcp://127.0.0.1:{replay}", *extra)
+    try:
+        wait_until(f"http://127.0.0.1:{port}/health", proc)
+        yield {"url": f"http://127.0.0.1:{port}", "port": port, "kv": f"tcp://127.0.0.1:{kv}",
+               "replay": f"tcp://127.0.0.1:{replay}", "proc": proc}
+    finally:
+        stop(proc)
+
+
+@contextmanager
+def gateway(config_text: str = "", *, log_dir: str | None = None):
+    port = free_port()
+    with tempfile.TemporaryDirectory() as d:
+        cfg = os.path.join(d, "conductor.toml")
+        with open(cfg, "w") as f:
+            f.write(config_text)
+        proc = conductor("serve", "--config", cfg, "--port", str(port), "--log-level", "warning",
+                         log=os.path.join(log_dir or d, "gateway.log"))
+        try:
+            wait_until(f"http://127.0.0.1:{port}/ready", proc, timeout_s=90)
+            yield {"url": f"http://127.0.0.1:{port}", "proc": proc, "dir": d}
+        finally:
+            stop(proc)

@@ -1,0 +1,40 @@
+import pytest
+
+from gateway.config import ConfigError, load_config, parse_config
+
+
+def test_default_is_embedded_2p2d():
+    cfg = load_config(None)
+    assert cfg.host == "127.0.0.1" and cfg.port == 8000
+    assert cfg.embedded is not None and (cfg.embedded.prefill, cfg.embedded.decode) == (2, 2)
+    assert cfg.engines == []
+
+
+def test_example_config_parses():
+    cfg = load_config("examples/conductor.toml")
+    assert [e.role for e in cfg.engines] == ["prefill", "decode"]
+    assert cfg.embedded is None
+    assert cfg.slo.ttft_s == pytest.approx(30.0) and cfg.slo.tbt_s == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize("raw, words", [
+    ({"engines": [{"id": "a", "role": "middle", "url": "http://x"}]}, "role"),
+    ({"engines": [{"id": "a", "role": "both", "url": "x"}]}, "url"),
+    ({"engines": [{"id": "a", "role": "both", "url": "http://x"}, {"id": "a", "role": "both", "url": "http://y"}]}, "duplicate"),
+    ({"bogus": 1}, "unknown key"),
+    ({"slo": {"ttft_ms": -5}}, "positive"),
+    ({"embedded": {"prefill": 1, "decode": 0}}, "pairs"),
+    ({"tokenizer": "hf"}, "tokenizer_path"),
+])
+def test_bad_config_is_one_clear_error(raw, words):
+    with pytest.raises(ConfigError, match=words):
+        parse_config(raw)
+
+
+def test_unreadable_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(str(tmp_path / "missing.toml"))
+    bad = tmp_path / "bad.toml"
+    bad.write_text("port = = 3")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(str(bad))
