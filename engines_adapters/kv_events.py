@@ -70,6 +70,7 @@ class KVEventSubscriber:
         self.stats = SubscriberStats()
         self._sub: zmq.asyncio.Socket | None = None
         self._live_last = -1
+        self._resync = False
 
     def open(self) -> None:
         """Bind or connect the SUB socket now, so an engine that connects later finds it."""
@@ -82,6 +83,11 @@ class KVEventSubscriber:
             sub.bind(self.endpoint)
         self._sub = sub
 
+    def resync(self) -> None:
+        """Drop this instance's blocks and rebuild from replay at the next turn of the loop
+        (the engine came back after an outage and may have restarted unnoticed)."""
+        self._resync = True
+
     def close(self) -> None:
         if self._sub is not None:
             self._sub.close(0)
@@ -93,6 +99,17 @@ class KVEventSubscriber:
         try:
             await self._recover(0)  # a subscriber that joins late would otherwise see no history
             while True:
+                if self._resync:
+                    self._resync = False
+                    self._live_last = -1
+                    self._rebuild()
+                    await self._recover(0)
+                # a bound SUB only attaches a connecting PUB (and sends it our subscription) when
+                # the socket processes its commands; reading ZMQ_EVENTS does that, and the bounded
+                # poll makes sure it happens even when the FD edge fired while we were busy
+                # (libzmq #2267)
+                if not self._sub.getsockopt(zmq.EVENTS) & zmq.POLLIN and not await self._sub.poll(100):
+                    continue
                 frames = await self._sub.recv_multipart()
                 if len(frames) != 3 or len(frames[1]) != 8:
                     self.stats.ignored += 1
@@ -103,7 +120,12 @@ class KVEventSubscriber:
 
     async def _on_batch(self, seq: int, payload: bytes) -> None:
         if seq < self._live_last:  # live batches from one publisher are ordered: it restarted
+            self._live_last = seq
             self._rebuild()
+            await self._recover(0)  # the new incarnation's history, from its first batch
+            if seq > self.stats.last_seq:
+                self._apply(seq, payload)
+            return
         self._live_last = seq
         last = self.stats.last_seq
         if seq <= last:

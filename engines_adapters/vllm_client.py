@@ -100,11 +100,13 @@ class EngineClient:
     def _timeout(self, total: float | None = None) -> aiohttp.ClientTimeout:
         return aiohttp.ClientTimeout(total=total or self.timeout_s, sock_connect=self.connect_timeout_s)
 
-    async def prefill(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any] | None:
-        """Run the prefill leg; returns the engine's ``kv_transfer_params`` for the decode leg."""
+    async def prefill(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> tuple[dict | None, dict]:
+        """Run the prefill leg; returns the engine's ``kv_transfer_params`` for the decode leg and
+        its ``usage`` (whose ``cached_tokens`` are the prefill instance's own prefix hits)."""
         data = await self.post_json(path, prefill_body(body), headers)
         try:
-            return json.loads(data).get("kv_transfer_params")
+            answer = json.loads(data)
+            return answer.get("kv_transfer_params"), answer.get("usage") or {}
         except (ValueError, AttributeError):
             raise UpstreamHTTPError(502, data, self.id) from None
 

@@ -32,6 +32,8 @@ class Cluster:
         self.models: list[str] = []
         self._zmq = zmq.asyncio.Context()
         self._tasks: list[asyncio.Task] = []
+        self._sub_tasks: dict[str, asyncio.Task] = {}
+        self._ever_healthy: set[str] = set()
 
     async def start(self) -> None:
         conn = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
@@ -40,19 +42,24 @@ class Cluster:
             self.clients[e.id] = EngineClient(self.session, e.id, e.url, connect_timeout_s=self.cfg.upstream_connect_timeout_s,
                                               timeout_s=self.cfg.upstream_timeout_s)
             if e.kv_events:
-                sub = KVEventSubscriber(self._zmq, e.id, e.kv_events, self.scheduler.index, engine_url=e.url,
-                                        replay_endpoint=e.kv_events_replay)
-                sub.open()
-                self.subscribers[e.id] = sub
-                self._tasks.append(asyncio.create_task(sub.run(), name=f"kv-events-{e.id}"))
+                self._subscribe(e)
         await self.poll_once()
         self._tasks.append(asyncio.create_task(self._poll_forever(), name="health-poll"))
 
+    def _subscribe(self, e: EngineConfig) -> None:
+        sub = KVEventSubscriber(self._zmq, e.id, e.kv_events, self.scheduler.index, engine_url=e.url,
+                                replay_endpoint=e.kv_events_replay)
+        sub.open()
+        self.subscribers[e.id] = sub
+        self._sub_tasks[e.id] = asyncio.create_task(sub.run(), name=f"kv-events-{e.id}")
+
     async def stop(self) -> None:
-        for t in self._tasks:
+        tasks = self._tasks + list(self._sub_tasks.values())
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks.clear()
+        self._sub_tasks.clear()
         if self.session is not None:
             await self.session.close()
         self._zmq.term()
@@ -81,6 +88,10 @@ class Cluster:
             self.failures[eid] = 0
             if not self.healthy[eid]:
                 log.info("instance %s is healthy: admitted", eid)
+                if eid in self._ever_healthy and eid in self.subscribers:
+                    # it may have restarted with an empty cache: rebuild its blocks from replay
+                    self.subscribers[eid].resync()
+                self._ever_healthy.add(eid)
                 self.set_healthy(eid, True)
             load = await client.load()
             if load is not None:

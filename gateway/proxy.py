@@ -99,7 +99,10 @@ class Proxy:
                 self._release(rec)
                 self._finish(rec, "aborted", 499, span)
                 raise
-            headers = {"x-request-id": rec.request_id, "x-conductor-prefill": d.prefill, "x-conductor-decode": d.decode}
+            headers = {"x-request-id": rec.request_id, "x-conductor-prefill": d.prefill, "x-conductor-decode": d.decode,
+                       "x-conductor-hit-tokens": str(d.hit_tokens)}
+            if rec.cached_tokens is not None:  # what the prefill instance itself found in its cache
+                headers["x-conductor-prefill-cached-tokens"] = str(rec.cached_tokens)
             if req.stream:
                 def done(tally: StreamTally, rec=rec, span=span) -> None:
                     self._release(rec)
@@ -115,8 +118,9 @@ class Proxy:
         params = None
         if d.prefill != d.decode:
             rec.prefill_start_s = time.monotonic()
-            params = await self.cluster.clients[d.prefill].prefill(path, body, fwd)
+            params, usage = await self.cluster.clients[d.prefill].prefill(path, body, fwd)
             rec.prefill_end_s = time.monotonic()
+            rec.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
             self.sched.prefill_done(rec.request_id)
             self._span(span, "prefill", rec.prefill_start_s, rec.prefill_end_s, {"conductor.instance": d.prefill})
         rec.decode_start_s = time.monotonic()
@@ -194,8 +198,8 @@ class Proxy:
         rec.first_token_s = tally.token_times[0] if tally.token_times else None
         usage = tally.usage or {}
         rec.output_tokens = int(usage.get("completion_tokens") or len(tally.token_times))
-        details = usage.get("prompt_tokens_details") or {}
-        rec.cached_tokens = details.get("cached_tokens")
+        if rec.cached_tokens is None:  # colocated: the engine's own report is the prefix hit
+            rec.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         if rec.first_token_s is not None and rec.decode_start_s is not None:
             self._span(span, "transfer", rec.decode_start_s, rec.first_token_s)
             self._span(span, "decode", rec.first_token_s, time.monotonic())
