@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 import zmq
 import zmq.asyncio
 
-from engines_adapters.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
+from engines_adapters.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch, publisher_binds
 
 log = logging.getLogger(__name__)
 _END_SEQ = -1
@@ -30,14 +30,6 @@ class HitIndexSink(Protocol):
     def block_removed(self, instance_id: str, block_hashes: list[int], medium: str | None = "GPU") -> bool: ...
     def all_cleared(self, instance_id: str) -> None: ...
     def drop_instance(self, instance_id: str) -> None: ...
-
-
-def engine_binds(endpoint: str) -> bool:
-    """vLLM's rule: the publisher binds for wildcard hosts and ipc/inproc, otherwise it connects."""
-    if endpoint.startswith(("ipc://", "inproc://")):
-        return True
-    host = endpoint.split("://", 1)[-1].rsplit(":", 1)[0]
-    return host in ("*", "[::]", "::", "0.0.0.0")
 
 
 def subscriber_address(endpoint: str, engine_url: str) -> str:
@@ -77,7 +69,7 @@ class KVEventSubscriber:
         sub = self.ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         sub.setsockopt(zmq.LINGER, 0)
-        if engine_binds(self.endpoint):
+        if publisher_binds(self.endpoint):
             sub.connect(subscriber_address(self.endpoint, self.engine_url))
         else:
             sub.bind(self.endpoint)
@@ -160,7 +152,7 @@ class KVEventSubscriber:
         dealer = self.ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         addr = self.replay_endpoint
-        dealer.connect(subscriber_address(addr, self.engine_url) if engine_binds(addr) else addr)
+        dealer.connect(subscriber_address(addr, self.engine_url) if publisher_binds(addr) else addr)
         out: list[tuple[int, bytes]] = []
         try:
             await dealer.send_multipart([b"", struct.pack(">Q", start)])

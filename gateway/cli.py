@@ -86,4 +86,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # run the imported module's main, so subcommands raise the same CLIError class it catches
+    from gateway.cli import main as _main
+
+    sys.exit(_main())

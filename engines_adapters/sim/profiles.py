@@ -4,7 +4,7 @@ same public facts (never the engine model's formulas)."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from importlib import resources
 from typing import Any
@@ -49,6 +49,21 @@ class Profile:
     @property
     def net_bytes_per_s(self) -> float:
         return self.hardware["net_gbps"] * GB
+
+    @property
+    def host_bytes_per_s(self) -> float:
+        return self.hardware.get("host_gbps", self.hardware["net_gbps"]) * GB
+
+    @property
+    def served_name(self) -> str:
+        """Short model name a server answers to (the full HF name is accepted too)."""
+        return self.model.get("served_name") or self.model["name"].rsplit("/", 1)[-1]
+
+    def with_overrides(self, *, hardware: dict[str, Any] | None = None,
+                       efficiency: dict[str, Any] | None = None) -> "Profile":
+        """A copy with some hardware/efficiency entries replaced (calibration what-ifs)."""
+        return replace(self, hardware={**self.hardware, **(hardware or {})},
+                       efficiency={**self.efficiency, **(efficiency or {})})
 
 
 @cache

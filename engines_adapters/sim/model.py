@@ -1,0 +1,593 @@
+"""The simulated engine model: a pure, synchronous step machine that schedules like vLLM v1.
+
+No I/O, no clock of its own: the driver passes ``now`` (modelled seconds) to :meth:`step`, which
+schedules one batch, returns its modelled duration and what it produced, and expects the next
+call at ``now + duration`` or later. The HTTP server drives it in (scaled) real time; the
+discrete-event simulator drives it in virtual time. See docs/sim_engine.md for the API contract.
+
+Scheduling per step (vLLM v1 with chunked prefill): decodes first (one token each), then the
+partial prefills already running, then waiting requests in FIFO order, until the token budget or
+the sequence cap is used. A running request that needs a block when none is free preempts
+(recompute) the newest running prefill, else the newest not-yet-scheduled decode, else itself.
+A waiting request that does not fit blocks the queue (no preemption for admissions, as vLLM).
+
+Per-step CPU stays small: O(1) work per running sequence, a block is allocated or hashed only
+when a sequence crosses a block boundary, and output tokens are read from a shared corpus.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import random
+from collections import deque
+
+from scheduler.hashing import block_hashes, digest_to_int, vllm_block_digests, vllm_none_hash
+
+from ..kv_wire import MEDIUM_GPU, BlockStored
+from .kv_cache import Block, KVCache
+from .profiles import Profile
+from .records import EngineStats, Finished, FirstToken, HeldKV, SimRequest, StepResult
+from .text import OutputSampler
+from .timing import StepTimer
+
+ROLES = ("prefill", "decode", "both")
+__all__ = ["ROLES", "EngineModel", "EngineStats", "Finished", "FirstToken", "HeldKV", "SimRequest", "StepResult"]
+
+# request states
+WAITING, RUNNING, LOADING, HELD, DONE = range(5)
+_REMOTE, _HOST = 0, 1
+_READY, _LOADING, _BLOCKED = range(3)
+
+
+class _Seq:
+    __slots__ = ("rid", "prompt", "P", "max_tokens", "target", "hold_kv", "remote_kv", "remote_done",
+                 "hashes", "blocks", "n_alloc", "cap", "computed", "num_out", "out_off", "state",
+                 "looked_up", "arrival", "scheduled", "first_token", "cached_tokens", "transfer_s",
+                 "preemptions", "load_kind", "load_hits", "load_start", "hold_expires", "decoding", "loaded",
+                 "lookup_hits")
+
+    def __init__(self, req: SimRequest, now: float, hashes: list[int], out_off: int, target: int):
+        self.rid = req.request_id
+        self.prompt = req.prompt
+        self.P = len(req.prompt)
+        self.max_tokens = req.max_tokens
+        self.target = target
+        self.hold_kv = req.hold_kv
+        self.remote_kv = req.remote_kv
+        self.remote_done = False
+        self.hashes = hashes
+        self.blocks: list[Block] = []
+        self.n_alloc = 0
+        self.cap = 0
+        self.computed = 0
+        self.num_out = 0
+        self.out_off = out_off
+        self.state = WAITING
+        self.looked_up = False
+        self.arrival = now
+        self.scheduled: float | None = None
+        self.first_token: float | None = None
+        self.cached_tokens = -1
+        self.transfer_s = 0.0
+        self.preemptions = 0
+        self.load_kind = _REMOTE
+        self.load_hits = (0, 0)
+        self.load_start = 0.0
+        self.hold_expires = 0.0
+        self.decoding = False  # sampled at the end of its prefill: one token per step from now on
+        self.loaded = False  # holds KV loaded from a remote instance or the host tier
+        self.lookup_hits = 0  # prefix tokens found by the pending lookup (counted on admission)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.P + self.num_out
+
+
+class EngineModel:
+    def __init__(self, profile: Profile, role: str = "both", *, block_size: int = 16,
+                 max_num_batched_tokens: int = 8192, max_num_seqs: int = 256,
+                 kv_capacity_tokens: int | None = None, host_tier_tokens: int = 0, seed: int = 0,
+                 noise: float = 0.02, kv_events: bool = False, kv_hold_timeout: float = 30.0,
+                 net_bytes_per_s: float | None = None, transfer_latency_s: float | None = None,
+                 host_bytes_per_s: float | None = None, median_output: int = 128,
+                 max_model_len: int | None = None):
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        if block_size <= 0 or max_num_seqs <= 0 or max_num_batched_tokens <= 0:
+            raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be positive")
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs (as vLLM requires)")
+        if noise < 0 or kv_hold_timeout <= 0:
+            raise ValueError("noise must be >= 0 and kv_hold_timeout > 0")
+        self.profile = profile
+        self.role = role
+        self.block_size = block_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len or profile.max_model_len
+        cap_tokens = profile.kv_capacity_tokens if kv_capacity_tokens is None else kv_capacity_tokens
+        self.kv = KVCache(cap_tokens // block_size, block_size, host_tier_tokens // block_size, kv_events)
+        self.timer = StepTimer(profile)
+        self.noise = noise
+        self.kv_hold_timeout = kv_hold_timeout
+        self.net_bytes_per_s = net_bytes_per_s or profile.net_bytes_per_s
+        self.transfer_latency_s = (profile.efficiency.get("transfer_latency_ms", 1.0) * 1e-3
+                                   if transfer_latency_s is None else transfer_latency_s)
+        self.host_bytes_per_s = host_bytes_per_s or profile.host_bytes_per_s
+        self._kv_bytes = profile.kv_bytes_per_token
+        self._rng = random.Random(seed)
+        self.sampler = OutputSampler(seed, median_output)
+        self._corpus = self.sampler.corpus
+        self._none_digest = vllm_none_hash() if kv_events else None
+        self._waiting: deque[_Seq] = deque()
+        self._prefilling: list[_Seq] = []
+        self._decoding: list[_Seq] = []
+        self._loading: list[tuple[float, int, _Seq]] = []
+        self._held: dict[str, _Seq] = {}
+        self._held_order: deque[tuple[float, str]] = deque()
+        self._seqs: dict[str, _Seq] = {}
+        self._tie = itertools.count()
+        self._net_free_at = 0.0
+        self._host_free_at = 0.0
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self.host_hits = 0
+        self.num_preemptions = 0
+
+    # --- requests ---------------------------------------------------------------------------
+    def add_request(self, req: SimRequest, now: float) -> None:
+        """Queue a request that arrived at ``now``. Raises ValueError if it can never run."""
+        rid = req.request_id
+        if rid in self._seqs:
+            raise ValueError(f"request id {rid!r} is already in use")
+        P = len(req.prompt)
+        if P == 0:
+            raise ValueError("the prompt is empty")
+        if req.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        if P + 1 > self.max_model_len:
+            raise ValueError(f"prompt of {P} tokens exceeds the maximum model length {self.max_model_len}")
+        if req.hold_kv and self.role == "decode":
+            raise ValueError("a decode instance cannot serve the prefill side of a disaggregated request")
+        if req.remote_kv and self.role == "prefill":
+            raise ValueError("a prefill instance cannot pull KV for the decode side of a disaggregated request")
+        bs = self.block_size
+        if -(-(P + 1) // bs) > self.kv.capacity:
+            raise ValueError(f"prompt of {P} tokens needs more KV blocks than the cache holds "
+                             f"({self.kv.capacity} blocks of {bs})")
+        off, natural = self.sampler.draw(rid)
+        target = 1 if req.hold_kv else min(req.max_tokens, req.output_len if req.output_len is not None else natural)
+        s = _Seq(req, now, block_hashes(req.prompt, bs), off, max(1, target))
+        self._seqs[rid] = s
+        self._waiting.append(s)
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request wherever it is and free its KV (client gone)."""
+        s = self._seqs.pop(request_id, None)
+        if s is None:
+            return False
+        if s.state == WAITING:
+            self._waiting.remove(s)
+        elif s.state == RUNNING:
+            (self._decoding if s in self._decoding else self._prefilling).remove(s)
+        elif s.state == HELD:
+            del self._held[request_id]
+        self._free(s)
+        s.state = DONE
+        return True
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether the id is live (queued, running, loading KV or holding KV)."""
+        return request_id in self._seqs
+
+    def held_kv(self, request_id: str) -> HeldKV | None:
+        """The KV a finished prefill holds for a decode instance, if still held."""
+        s = self._held.get(request_id)
+        if s is None:
+            return None
+        return HeldKV(request_id, s.P, s.n_alloc, self.block_size, s.hold_expires)
+
+    def release_kv(self, request_id: str) -> bool:
+        """The decode side has the KV: free the held blocks (they stay in the prefix cache)."""
+        s = self._held.pop(request_id, None)
+        if s is None:
+            return False
+        del self._seqs[request_id]
+        self._free(s)
+        s.state = DONE
+        return True
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block and emit AllBlocksCleared; refused (False) while any request
+        holds KV, since a subscriber would then forget blocks that are still there."""
+        kv = self.kv
+        if self._seqs or kv.num_free() != kv.capacity:
+            return False
+        kv.clear()
+        return True
+
+    # --- load facts -------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._prefilling or self._decoding)
+
+    def next_timer(self) -> float | None:
+        """Earliest modelled time a KV load completes or held KV expires (None if neither)."""
+        t = self._loading[0][0] if self._loading else None
+        if self._held_order:
+            h = self._held_order[0][0]
+            t = h if t is None or h < t else t
+        return t
+
+    def stats(self) -> EngineStats:
+        queued = sum(s.num_tokens - s.computed for s in self._waiting)
+        queued += sum(s.num_tokens - s.computed for s in self._prefilling)
+        kv = self.kv
+        loading = sum(1 for e in self._loading if e[2].state == LOADING)
+        return EngineStats(
+            running=len(self._prefilling) + len(self._decoding),
+            waiting=len(self._waiting) + loading, loading=loading, held=len(self._held),
+            kv_usage=kv.usage(), kv_capacity_blocks=kv.capacity, kv_free_blocks=kv.num_free(),
+            queued_prefill_tokens=queued, prefix_queries=self.prefix_queries, prefix_hits=self.prefix_hits,
+            host_hits=self.host_hits, preemptions=self.num_preemptions, host_blocks=len(kv.host))
+
+    def output_tokens(self, request_id: str, start: int, end: int) -> list[int]:
+        """Token ids ``start..end`` of a live request's output (what ``emitted`` reported)."""
+        s = self._seqs[request_id]
+        return self.sampler.tokens(s.out_off, start, end)
+
+    # --- the step ---------------------------------------------------------------------------
+    def step(self, now: float) -> StepResult:
+        """Schedule and 'run' one batch starting at ``now``; see the module docstring."""
+        res = StepResult(start=now)
+        self._run_timers(now, res)
+        kv = self.kv
+        bs = self.block_size
+        budget = self.max_num_batched_tokens
+        corpus = self._corpus
+        clen = len(corpus)
+        emitted = res.emitted
+        done: list[_Seq] = []
+        to_decode: list[_Seq] = []
+        first: list[_Seq] = []
+        decode_kv = 0
+
+        # 1. decodes: one token each
+        dec = self._decoding
+        i = 0
+        while i < len(dec) and budget > 0:
+            s = dec[i]
+            c = s.computed
+            if c >= s.cap:
+                if kv.free_plain:
+                    kv.free_plain -= 1
+                elif not self._reserve(1, s, dec, i, res):
+                    continue  # s preempted itself; dec[i] is now the next sequence
+                s.n_alloc += 1
+                s.cap += bs
+            c += 1
+            s.computed = c
+            decode_kv += c
+            if c % bs == 0:
+                self._commit(s, c // bs)
+            k = s.num_out
+            emitted.append((s.rid, corpus[(s.out_off + k) % clen]))
+            s.num_out = k + 1
+            if k + 1 >= s.target:
+                done.append(s)
+            budget -= 1
+            i += 1
+        n_decode = i
+
+        # 2. partial prefills already running, 3. waiting requests
+        prefill_tokens = 0
+        prefill_ctx = 0.0
+        sampled = 0
+        pre = self._prefilling
+        j = 0
+        while j < len(pre) and budget > 0:
+            s = pre[j]
+            c0 = s.computed
+            n = min(s.num_tokens - c0, budget)
+            if not self._chunk(s, n, pre, j, res):
+                continue
+            budget -= n
+            prefill_tokens += n
+            prefill_ctx += n * c0 + n * (n + 1) / 2.0
+            if s.computed == s.num_tokens:
+                sampled += 1
+                self._sample(s, emitted, done, to_decode, first)
+            j += 1
+        if not res.preempted:
+            waiting = self._waiting
+            while waiting and budget > 0 and len(pre) + len(dec) < self.max_num_seqs:
+                s = waiting[0]
+                if not s.looked_up:
+                    got = self._lookup(s, now)
+                    if got == _LOADING:
+                        continue
+                    if got == _BLOCKED:
+                        break
+                c0 = s.computed
+                n = min(s.num_tokens - c0, budget)
+                need = -(-(c0 + n) // bs) - s.n_alloc
+                if need > 0 and not kv.alloc(need):
+                    if not s.loaded:
+                        self._free(s)  # give its prefix hits back (vLLM does too); it looks up again
+                    elif not (pre or dec or self._loading):
+                        for w in waiting:  # nothing will free memory: drop loaded KV (it stays cached)
+                            self._free(w)
+                    break
+                waiting.popleft()
+                if not s.loaded:
+                    self.prefix_queries += s.num_tokens
+                    self.prefix_hits += s.lookup_hits
+                    if s.cached_tokens < 0:
+                        s.cached_tokens = s.lookup_hits
+                s.n_alloc += max(0, need)
+                s.cap = s.n_alloc * bs
+                s.computed = c0 + n
+                if (c0 + n) // bs > len(s.blocks):
+                    self._commit(s, (c0 + n) // bs)
+                s.state = RUNNING
+                if s.scheduled is None:
+                    s.scheduled = now
+                pre.append(s)
+                budget -= n
+                prefill_tokens += n
+                prefill_ctx += n * c0 + n * (n + 1) / 2.0
+                if s.computed == s.num_tokens:
+                    sampled += 1
+                    self._sample(s, emitted, done, to_decode, first)
+
+        # duration and bookkeeping
+        tokens = prefill_tokens + n_decode
+        dur = self.timer.duration(tokens, sampled + n_decode, prefill_ctx, decode_kv)
+        if dur and self.noise:
+            dur *= math.exp(self._rng.gauss(0.0, self.noise))
+        res.duration = dur
+        res.prefill_tokens = prefill_tokens
+        res.decode_seqs = n_decode
+        end = now + dur
+        for s in first:
+            s.first_token = end
+            res.first_tokens.append(FirstToken(s.rid, s.arrival, s.scheduled if s.scheduled is not None else now,
+                                               end, s.transfer_s, max(0, s.cached_tokens)))
+        if done:
+            for s in done:
+                self._finish(s, end, res)
+            self._decoding = [s for s in self._decoding if s.state == RUNNING]
+        if to_decode or done or pre:
+            self._prefilling = [s for s in pre if s.state == RUNNING and not s.decoding]
+            self._decoding.extend(s for s in to_decode if s.state == RUNNING)
+        if kv.events is not None:
+            res.events = kv.events
+            kv.events = []
+        return res
+
+    # --- internals --------------------------------------------------------------------------
+    def _sample(self, s: _Seq, emitted, done, to_decode, first) -> None:
+        k = s.num_out
+        emitted.append((s.rid, self._corpus[(s.out_off + k) % len(self._corpus)]))
+        s.num_out = k + 1
+        if k == 0:
+            first.append(s)
+        s.decoding = True
+        if s.hold_kv or s.num_out >= s.target:
+            done.append(s)
+        else:
+            to_decode.append(s)
+
+    def _finish(self, s: _Seq, end: float, res: StepResult) -> None:
+        if s.state != RUNNING:
+            return
+        reason = "length" if s.num_out >= s.max_tokens or s.hold_kv else "stop"
+        res.finished.append(Finished(
+            s.rid, reason, s.P, s.num_out, max(0, s.cached_tokens), s.arrival,
+            s.scheduled if s.scheduled is not None else s.arrival,
+            s.first_token if s.first_token is not None else end, end, s.transfer_s, s.preemptions, s.hold_kv))
+        if s.hold_kv:
+            s.state = HELD
+            s.hold_expires = end + self.kv_hold_timeout
+            self._held[s.rid] = s
+            self._held_order.append((s.hold_expires, s.rid))
+        else:
+            s.state = DONE
+            del self._seqs[s.rid]
+            self._free(s)
+
+    def _free(self, s: _Seq) -> None:
+        self.kv.release(s.blocks, s.n_alloc - len(s.blocks))
+        s.blocks = []
+        s.n_alloc = 0
+        s.cap = 0
+        s.computed = 0
+        s.looked_up = False
+        s.decoding = False
+        s.loaded = False
+
+    def _chunk(self, s: _Seq, n: int, pre: list[_Seq], j: int, res: StepResult) -> bool:
+        """Schedule ``n`` prefill tokens of running sequence ``pre[j]``; False if it was preempted."""
+        bs = self.block_size
+        c1 = s.computed + n
+        need = -(-c1 // bs) - s.n_alloc
+        if need > 0:
+            if not self._reserve(need, s, pre, j, res):
+                return False
+            s.n_alloc += need
+            s.cap = s.n_alloc * bs
+        s.computed = c1
+        if c1 // bs > len(s.blocks):
+            self._commit(s, c1 // bs)
+        return True
+
+    def _reserve(self, n: int, s: _Seq, lst: list[_Seq], idx: int, res: StepResult) -> bool:
+        """Allocate ``n`` blocks for ``s`` (= lst[idx]), preempting newer work; False if ``s``
+        itself had to be preempted."""
+        kv = self.kv
+        while not kv.alloc(n):
+            pre, dec = self._prefilling, self._decoding
+            if pre and not (lst is pre and len(pre) - 1 <= idx):
+                victim = pre[-1]
+            elif lst is dec and len(dec) - 1 > idx:
+                victim = dec[-1]
+            else:
+                victim = s
+            self._preempt(victim, res)
+            if victim is s:
+                return False
+        return True
+
+    def _preempt(self, s: _Seq, res: StepResult) -> None:
+        (self._decoding if s in self._decoding else self._prefilling).remove(s)
+        self._free(s)
+        s.state = WAITING
+        s.preemptions += 1
+        self.num_preemptions += 1
+        self._waiting.appendleft(s)
+        res.preempted.append(s.rid)
+
+    def _lookup(self, s: _Seq, now: float) -> int:
+        """Prefix-cache lookup for the waiting head: it is ready to compute (_READY), left for a
+        KV load (_LOADING), or cannot get blocks for its load (_BLOCKED)."""
+        kv = self.kv
+        bs = self.block_size
+        limit = (s.num_tokens - 1) // bs
+        if len(s.hashes) < limit:
+            limit = len(s.hashes)
+        g = kv.match_gpu(s.hashes, limit)
+        hh = kv.match_host(s.hashes, g, limit) if kv.host_capacity else 0
+        remote = s.remote_kv and not s.remote_done
+        if remote or hh:
+            need = (-(-s.P // bs) - g) if remote else hh
+            blocks = kv.acquire(s.hashes, g)
+            if not kv.alloc(need):
+                kv.release(blocks, 0)
+                return _BLOCKED
+            self._waiting.popleft()
+            s.blocks = blocks
+            s.n_alloc = g + need
+            s.cap = s.n_alloc * bs
+            s.computed = g * bs
+            s.looked_up = True
+            s.state = LOADING
+            if remote:
+                nbytes = (s.P - g * bs) * self._kv_bytes
+                start = max(now, self._net_free_at)
+                self._net_free_at = start + nbytes / self.net_bytes_per_s
+                ready = self._net_free_at + self.transfer_latency_s
+                s.load_kind = _REMOTE
+            else:
+                nbytes = hh * bs * self._kv_bytes
+                start = max(now, self._host_free_at)
+                self._host_free_at = start + nbytes / self.host_bytes_per_s
+                ready = self._host_free_at
+                s.load_kind = _HOST
+            s.load_hits = (g, hh)
+            s.load_start = now
+            self.prefix_queries += s.num_tokens
+            self.prefix_hits += (g + hh) * bs
+            self.host_hits += hh * bs
+            if s.scheduled is None:
+                s.scheduled = now
+            heapq.heappush(self._loading, (ready, next(self._tie), s))
+            return _LOADING
+        s.blocks = kv.acquire(s.hashes, g)
+        s.n_alloc = g
+        s.cap = g * bs
+        s.computed = g * bs
+        s.looked_up = True
+        s.lookup_hits = g * bs
+        return _READY
+
+    def _run_timers(self, now: float, res: StepResult) -> None:
+        loaded: list[_Seq] = []
+        while self._loading and self._loading[0][0] <= now:
+            ready, _, s = heapq.heappop(self._loading)
+            if s.state != LOADING:
+                continue  # aborted while loading
+            g, hh = s.load_hits
+            if s.load_kind == _REMOTE:
+                s.remote_done = True
+                s.computed = s.P - 1
+                res.kv_loaded.append(s.rid)
+            else:
+                for h in s.hashes[g:g + hh]:
+                    if h in self.kv.host:
+                        self.kv.host.move_to_end(h)
+                s.computed = (g + hh) * self.block_size
+            if s.cached_tokens < 0:
+                s.cached_tokens = s.computed
+            s.transfer_s += ready - s.load_start
+            self._commit(s, s.computed // self.block_size)
+            s.state = WAITING
+            s.loaded = True
+            loaded.append(s)
+        if loaded:
+            self._waiting.extendleft(reversed(loaded))
+        order = self._held_order
+        while order and order[0][0] <= now:
+            t, rid = order.popleft()
+            s = self._held.get(rid)
+            if s is not None and s.hold_expires == t:
+                self.release_kv(rid)
+                res.expired.append(rid)
+
+    def _tokens(self, s: _Seq, a: int, b: int) -> list[int]:
+        """Token ids at positions ``a..b`` of a sequence (prompt, then output)."""
+        P = s.P
+        if b <= P:
+            return s.prompt[a:b]
+        out = s.prompt[a:P] if a < P else []
+        out += self.sampler.tokens(s.out_off, max(a, P) - P, b - P)
+        return out
+
+    def _commit(self, s: _Seq, upto: int) -> None:
+        """Cache the sequence's full blocks ``len(s.blocks)..upto`` (content now computed)."""
+        kv = self.kv
+        bs = self.block_size
+        hashes = s.hashes
+        new: list[int] = []
+        for bi in range(len(s.blocks), upto):
+            if bi < len(hashes):
+                h = hashes[bi]
+            else:  # an output block: extend the chain
+                h = block_hashes(self._tokens(s, bi * bs, (bi + 1) * bs), bs, hashes[bi - 1] if bi else None)[0]
+                hashes.append(h)
+            b, is_new = kv.commit(h)
+            s.blocks.append(b)
+            if is_new and kv.events is not None:
+                new.append(bi)
+        if new:
+            self._stored(s, new)
+
+    def _stored(self, s: _Seq, idxs: list[int]) -> None:
+        """BlockStored events (vLLM sha256 ids) for newly cached blocks, one per contiguous run."""
+        bs = self.block_size
+        keep_tokens = self.kv.host_capacity > 0
+        run_start = idxs[0]
+        prev = idxs[0] - 1
+        for k, bi in enumerate(idxs + [None]):
+            if bi is not None and bi == prev + 1 and k > 0:
+                prev = bi
+                continue
+            if k > 0:
+                a, b = run_start, prev + 1
+                parent = s.blocks[a - 1] if a else None
+                tokens = self._tokens(s, a * bs, b * bs)
+                digests = vllm_block_digests(tokens, bs, parent=parent.vdigest if parent else self._none_digest)
+                parent_vh = parent.vh if parent else None
+                hashes = []
+                for off, d in enumerate(digests):
+                    blk = s.blocks[a + off]
+                    blk.vdigest = d
+                    blk.vh = digest_to_int(d)
+                    blk.parent_vh = parent_vh if off == 0 else hashes[-1]
+                    if keep_tokens:
+                        blk.tokens = tuple(tokens[off * bs:(off + 1) * bs])
+                    hashes.append(blk.vh)
+                self.kv.events.append(BlockStored(
+                    block_hashes=hashes, parent_block_hash=parent_vh, token_ids=tokens, block_size=bs,
+                    lora_id=None, medium=MEDIUM_GPU, lora_name=None))
+            if bi is not None:
+                run_start = prev = bi

@@ -1,0 +1,102 @@
+"""The plain records the engine model takes and returns (see docs/sim_engine.md, section 1)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SimRequest:
+    """What the engine needs to know about a request.
+
+    ``output_len``: exact output length (``ignore_eos`` / trace replay); ``None`` draws one.
+    ``hold_kv``: prefill side of PD: emit one token, then hold the KV until released or expired.
+    ``remote_kv``: decode side of PD: the prompt's KV is pulled from a prefill instance (the
+    transfer is modelled at the network bandwidth) instead of computed.
+    """
+
+    request_id: str
+    prompt: list[int]
+    max_tokens: int
+    output_len: int | None = None
+    hold_kv: bool = False
+    remote_kv: bool = False
+
+
+@dataclass(slots=True)
+class Finished:
+    """A request's outcome; times are modelled seconds on the driver's clock."""
+
+    request_id: str
+    reason: str  # "stop" | "length"
+    prompt_tokens: int
+    output_tokens: int
+    cached_tokens: int  # prompt tokens this engine did not compute (prefix hits, host or remote KV)
+    arrival: float
+    scheduled: float  # left the waiting queue (first chunk scheduled or KV load started)
+    first_token: float
+    finished: float
+    transfer_s: float  # KV load time (remote pull or host-tier reload)
+    preemptions: int
+    kv_held: bool  # KV kept for a decode instance to pull (prefill side of PD)
+
+
+@dataclass(slots=True)
+class FirstToken:
+    """A request's first output token was produced (TTFT and its parts, modelled seconds)."""
+
+    request_id: str
+    arrival: float
+    scheduled: float
+    first_token: float
+    transfer_s: float
+    cached_tokens: int
+
+
+@dataclass(slots=True)
+class StepResult:
+    start: float
+    duration: float = 0.0
+    prefill_tokens: int = 0
+    decode_seqs: int = 0
+    emitted: list[tuple[str, int]] = field(default_factory=list)  # (request id, token id), one per request
+    first_tokens: list[FirstToken] = field(default_factory=list)
+    finished: list[Finished] = field(default_factory=list)
+    kv_loaded: list[str] = field(default_factory=list)  # remote KV pulled: the prefill side may release
+    expired: list[str] = field(default_factory=list)  # held KV freed by the hold timeout
+    preempted: list[str] = field(default_factory=list)
+    events: list = field(default_factory=list)  # kv_wire events, in order
+
+    @property
+    def end(self) -> float:
+        return self.start + self.duration
+
+    @property
+    def idle(self) -> bool:
+        """Nothing was computed (the driver should wait for new work or the next timer)."""
+        return self.prefill_tokens == 0 and self.decode_seqs == 0
+
+
+@dataclass(slots=True)
+class HeldKV:
+    request_id: str
+    num_tokens: int
+    num_blocks: int
+    block_size: int
+    expires_at: float
+
+
+@dataclass(slots=True)
+class EngineStats:
+    running: int
+    waiting: int  # includes requests waiting for a KV load
+    loading: int
+    held: int
+    kv_usage: float
+    kv_capacity_blocks: int
+    kv_free_blocks: int
+    queued_prefill_tokens: int
+    prefix_queries: int
+    prefix_hits: int
+    host_hits: int
+    preemptions: int
+    host_blocks: int

@@ -1,0 +1,181 @@
+"""``conductor sim-engine``: one simulated vLLM 0.33 engine on 127.0.0.1.
+
+Wires the engine model, its asyncio driver, the OpenAI/vLLM HTTP API, the KV event publisher and
+the PD puller together. Prints one line ``sim-engine ready: http://HOST:PORT ...`` on stdout when
+it accepts requests (``--port 0`` picks a free port and that line says which).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import logging
+import signal
+import sys
+import uuid
+
+from aiohttp import web
+
+from gateway.cli import CLIError, Parser, port, positive_float, positive_int
+
+from .api import OpenAIApi, ServerInfo
+from .driver import EngineDriver
+from .metrics import EngineMetrics
+from .model import ROLES, EngineModel
+from .pd import KVPuller
+from .profiles import load_profile, profile_names
+from .publisher import KVEventPublisher, check_endpoint, loopback_bind_address
+
+log = logging.getLogger("conductor.sim_engine")
+
+
+def non_negative_int(text: str) -> int:
+    v = int(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return v
+
+
+def non_negative_float(text: str) -> float:
+    v = float(text)
+    if not v >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return v
+
+
+def build_parser() -> Parser:
+    p = Parser(prog="conductor sim-engine", description="Run one simulated vLLM-compatible engine on loopback.")
+    p.add_argument("--role", required=True, choices=ROLES, help="prefill, decode, or both (colocated)")
+    p.add_argument("--port", required=True, type=port, help="TCP port (0 = pick a free one)")
+    p.add_argument("--host", default="127.0.0.1", help="loopback address to bind (default 127.0.0.1)")
+    p.add_argument("--flavor", default="vllm", help="protocol flavour (only vllm is implemented)")
+    p.add_argument("--profile", default="llama3-8b-h200", help=f"timing profile: {', '.join(profile_names())}")
+    p.add_argument("--served-model-name", help="model name to answer to (default: the profile's short name)")
+    p.add_argument("--time-scale", type=positive_float, default=1.0,
+                   help="real seconds per modelled second (0.01 = 100x faster)")
+    p.add_argument("--seed", type=int, default=0, help="seed for noise, output text and lengths")
+    p.add_argument("--noise", type=non_negative_float, default=0.02, help="sigma of multiplicative step-time noise")
+    p.add_argument("--kv-events", metavar="ENDPOINT", help="publish KV events over ZMQ (vLLM bind/connect rule)")
+    p.add_argument("--kv-events-replay", metavar="ENDPOINT", help="ROUTER endpoint answering replay requests")
+    p.add_argument("--kv-events-topic", default="", help="topic frame of KV event messages")
+    p.add_argument("--block-size", type=positive_int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=8192)
+    p.add_argument("--max-num-seqs", type=positive_int, default=256)
+    p.add_argument("--max-model-len", type=positive_int, help="default: the profile's")
+    p.add_argument("--kv-capacity-tokens", type=positive_int, help="GPU KV capacity (default: from the profile)")
+    p.add_argument("--host-tier-tokens", type=non_negative_int, default=0, help="host-memory KV tier (0 = off)")
+    p.add_argument("--kv-hold-timeout", type=positive_float, default=30.0,
+                   help="modelled seconds a prefill holds KV nobody pulled")
+    p.add_argument("--median-output-tokens", type=positive_int, default=128,
+                   help="median of the output-length distribution (without ignore_eos)")
+    p.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.flavor != "vllm":
+        raise CLIError(f"--flavor {args.flavor}: only 'vllm' is implemented")
+    try:
+        if not (args.host == "localhost" or ipaddress.ip_address(args.host).is_loopback):
+            raise CLIError(f"--host {args.host}: the simulated engine binds only to loopback addresses")
+    except ValueError:
+        raise CLIError(f"--host {args.host}: not an IP address") from None
+    if args.profile not in profile_names():
+        raise CLIError(f"unknown profile {args.profile!r}; known: {', '.join(profile_names())}")
+    for flag in ("kv_events", "kv_events_replay"):
+        ep = getattr(args, flag)
+        if ep is not None:
+            try:
+                check_endpoint(ep)
+                if flag == "kv_events_replay":  # the replay socket always binds
+                    loopback_bind_address(ep)
+            except ValueError as e:
+                raise CLIError(f"--{flag.replace('_', '-')}: {e}") from None
+    if args.kv_events_replay and not args.kv_events:
+        raise CLIError("--kv-events-replay needs --kv-events")
+    if args.max_num_batched_tokens < args.max_num_seqs:
+        raise CLIError("--max-num-batched-tokens must be >= --max-num-seqs")
+
+
+def _engine(args: argparse.Namespace) -> EngineModel:
+    profile = load_profile(args.profile)
+    try:
+        return EngineModel(
+            profile, args.role, block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs, kv_capacity_tokens=args.kv_capacity_tokens,
+            host_tier_tokens=args.host_tier_tokens, seed=args.seed, noise=args.noise,
+            kv_events=bool(args.kv_events), kv_hold_timeout=args.kv_hold_timeout,
+            median_output=args.median_output_tokens, max_model_len=args.max_model_len)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+
+
+async def _serve(args: argparse.Namespace, engine: EngineModel, publisher: KVEventPublisher | None) -> int:
+    loop = asyncio.get_running_loop()
+    name = args.served_model_name or engine.profile.served_name
+    metrics = EngineMetrics(engine, name)
+    driver = EngineDriver(engine, time_scale=args.time_scale, metrics=metrics, publisher=publisher)
+    puller = KVPuller()
+    info = ServerInfo(host=args.host, port=args.port, role=args.role, served_name=name,
+                      hf_name=engine.profile.model["name"], max_model_len=engine.max_model_len,
+                      engine_id=f"sim-{uuid.uuid4().hex[:12]}")
+    api = OpenAIApi(info, driver, metrics, puller)
+    app = web.Application(client_max_size=256 * 1024 * 1024)
+    app.add_routes(api.routes())
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port)
+    try:
+        await site.start()
+    except OSError as e:
+        await runner.cleanup()
+        raise CLIError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+    info.port = site._server.sockets[0].getsockname()[1]  # the real port when --port 0
+    stop = loop.create_future()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, lambda: stop.done() or stop.set_result(0))
+    engine_task = loop.create_task(driver.run())
+    engine_task.add_done_callback(lambda t: stop.done() or stop.set_result(1))
+    print(f"sim-engine ready: http://{args.host}:{info.port} role={args.role} profile={args.profile} "
+          f"model={name} time_scale={args.time_scale}", flush=True)
+    code = await stop
+    if engine_task.done() and not engine_task.cancelled() and engine_task.exception() is not None:
+        log.error("engine loop failed", exc_info=engine_task.exception())
+        sys.stderr.write(f"conductor sim-engine: engine loop failed: {engine_task.exception()!r}\n")
+    engine_task.cancel()
+    await runner.cleanup()
+    await puller.close()
+    return code
+
+
+def main(argv: list[str]) -> int:
+    # CLIError is reported here, not only by gateway.cli: under `python -m gateway.cli` that module
+    # runs as __main__ and its own except clause would not match gateway.cli.CLIError
+    try:
+        return _main(argv)
+    except CLIError as e:
+        sys.stderr.write(f"conductor sim-engine: error: {e}\n")
+        return 2
+
+
+def _main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    _check(args)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = _engine(args)
+    publisher = None
+    if args.kv_events:
+        publisher = KVEventPublisher(args.kv_events, args.kv_events_replay, args.kv_events_topic)
+        try:
+            publisher.start()
+        except RuntimeError as e:
+            raise CLIError(str(e)) from None
+    try:
+        return asyncio.run(_serve(args, engine, publisher))
+    finally:
+        if publisher is not None:
+            publisher.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,236 @@
+"""The gateway's KV-event subscriber against the sim engine's publisher: replay on join, replay on a
+sequence gap, rebuild on restart and when replay cannot cover the gap."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from engines_adapters.kv_events import KVEventSubscriber, subscriber_address
+from engines_adapters.kv_wire import publisher_binds
+from engines_adapters.kv_wire import BlockStored
+from engines_adapters.sim.publisher import KVEventPublisher
+from gateway.embedded import free_port
+from scheduler.hashing import block_hashes, vllm_block_hashes
+from scheduler.hit_index import HitIndex
+
+BS = 16
+
+
+def stored(tokens: list[int], parent: int | None) -> tuple[BlockStored, int]:
+    ids = vllm_block_hashes(tokens, BS, seed_text="0")
+    return BlockStored(block_hashes=ids, parent_block_hash=parent, token_ids=tokens, block_size=BS,
+                       lora_id=None, medium="GPU", lora_name=None), ids[-1]
+
+
+def chain(n_batches: int, salt: int) -> list[tuple[list[int], BlockStored]]:
+    """n batches each storing one block of one growing sequence (so each needs its parent)."""
+    out, parent, tokens = [], None, []
+    for i in range(n_batches):
+        block = [(salt * 7919 + i * 31 + j) % 256 for j in range(BS)]
+        tokens = tokens + block
+        ev, parent = stored(block, parent)
+        out.append((list(tokens), ev))
+    return out
+
+
+async def until(cond, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not met")
+        await asyncio.sleep(0.01)
+
+
+async def nudge_until(pub: KVEventPublisher, cond, tries: int = 100) -> None:
+    """Publish empty batches until ``cond``: a batch dropped before the engine's (re)connection
+    carried our subscription is only noticed as a gap when a later batch arrives."""
+    for _ in range(tries):
+        if cond():
+            return
+        pub.publish(time.time(), [])
+        await asyncio.sleep(0.05)
+    assert cond()
+
+
+def held_blocks(index: HitIndex, tokens: list[int]) -> int:
+    return index.match(block_hashes(tokens, BS)).device.get("e", 0)
+
+
+@pytest.fixture
+def endpoints():
+    return f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+
+
+def run_case(coro):
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+def test_bind_connect_rule_mirrors_vllm():
+    assert publisher_binds("tcp://*:5557") and publisher_binds("ipc:///tmp/x") and publisher_binds("tcp://[::]:5557")
+    assert not publisher_binds("tcp://127.0.0.1:5557")
+    assert subscriber_address("tcp://*:5557", "http://127.0.0.1:8000") == "tcp://127.0.0.1:5557"
+
+
+def test_late_joiner_replays_history_then_follows_live(endpoints):
+    ep, rep = endpoints
+
+    async def case():
+        index = HitIndex(BS)
+        index.register("e")
+        pub = KVEventPublisher(ep, rep)
+        pub.start()
+        batches = chain(5, salt=1)
+        for _, ev in batches[:3]:  # published before anyone listens: lost on the PUB socket
+            pub.publish(time.time(), [ev])
+        await until(lambda: pub.published == 3)
+        ctx = zmq.asyncio.Context()
+        sub = KVEventSubscriber(ctx, "e", ep, index, replay_endpoint=rep)
+        task = asyncio.create_task(sub.run())
+        try:
+            await until(lambda: held_blocks(index, batches[2][0]) == 3)
+            assert sub.stats.replays >= 1
+            # live events after the join; until the engine's reconnect carries our subscription they
+            # are dropped, and the next batch that does arrive reveals the gap (empty batches here)
+            for _, ev in batches[3:]:
+                pub.publish(time.time(), [ev])
+            await nudge_until(pub, lambda: held_blocks(index, batches[4][0]) == 5)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            pub.close()
+            ctx.term()
+
+    run_case(case())
+
+
+def test_gap_is_filled_by_replay(endpoints):
+    ep, rep = endpoints
+
+    async def case():
+        index = HitIndex(BS)
+        index.register("e")
+        pub = KVEventPublisher(ep, rep, hwm=2)  # tiny pipe: a burst the subscriber does not read is dropped
+        pub.start()
+        ctx = zmq.asyncio.Context()
+        sub = KVEventSubscriber(ctx, "e", ep, index, replay_endpoint=rep)
+        task = asyncio.create_task(sub.run())
+        batches = chain(60, salt=2)
+        try:
+            pub.publish(time.time(), [batches[0][1]])
+            await nudge_until(pub, lambda: held_blocks(index, batches[0][0]) == 1)
+            for _, ev in batches[1:]:
+                pub.publish(time.time(), [ev])
+            time.sleep(0.3)  # block the loop on purpose so the burst overflows the SUB pipe
+            await nudge_until(pub, lambda: held_blocks(index, batches[-1][0]) == 60)
+            assert sub.stats.gaps >= 1 and sub.stats.rebuilds == 0
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            pub.close()
+            ctx.term()
+
+    run_case(case())
+
+
+def test_restart_rebuilds_from_the_new_incarnation(endpoints):
+    ep, rep = endpoints
+
+    async def case():
+        index = HitIndex(BS)
+        index.register("e")
+        ctx = zmq.asyncio.Context()
+        sub = KVEventSubscriber(ctx, "e", ep, index, replay_endpoint=rep)
+        task = asyncio.create_task(sub.run())
+        old = chain(3, salt=3)
+        pub = KVEventPublisher(ep, rep)
+        pub.start()
+        try:
+            for _, ev in old:
+                pub.publish(time.time(), [ev])
+            await nudge_until(pub, lambda: held_blocks(index, old[-1][0]) == 3)
+            for _ in range(30):  # the old engine's sequence runs well ahead of the new one's
+                pub.publish(time.time(), [])
+            await nudge_until(pub, lambda: sub.stats.last_seq >= 32)
+            pub.close()
+            # the engine restarts: its sequence begins at 0 again and its cache is empty
+            for _ in range(100):  # the old sockets' ports are released asynchronously
+                pub = KVEventPublisher(ep, rep)
+                try:
+                    pub.start()
+                    break
+                except RuntimeError:
+                    await asyncio.sleep(0.05)
+            new = chain(2, salt=4)
+            pub.publish(time.time(), [new[0][1]])
+            await nudge_until(pub, lambda: held_blocks(index, new[0][0]) == 1)
+            assert held_blocks(index, old[-1][0]) == 0 and sub.stats.rebuilds == 1
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            pub.close()
+            ctx.term()
+
+    run_case(case())
+
+
+def test_gap_beyond_the_replay_buffer_rebuilds(endpoints):
+    ep, rep = endpoints
+
+    async def case():
+        index = HitIndex(BS)
+        index.register("e")
+        ctx = zmq.asyncio.Context()
+        sub = KVEventSubscriber(ctx, "e", ep, index, replay_endpoint=rep)
+        task = asyncio.create_task(sub.run())
+        pub = KVEventPublisher(ep, rep, buffer_steps=2, hwm=2)
+        pub.start()
+        first = chain(1, salt=5)[0]
+        try:
+            pub.publish(time.time(), [first[1]])
+            await nudge_until(pub, lambda: held_blocks(index, first[0]) == 1)
+            later = chain(40, salt=6)
+            for _, ev in later:
+                pub.publish(time.time(), [ev])
+            time.sleep(0.3)  # overflow the pipe; a 2-batch replay buffer cannot cover the gap
+            await nudge_until(pub, lambda: sub.stats.rebuilds >= 1)
+            # the rebuilt instance holds nothing from before the gap: no stale state survives
+            assert held_blocks(index, first[0]) == 0
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            pub.close()
+            ctx.term()
+
+    run_case(case())
+
+
+def test_resync_drops_and_rebuilds_from_replay(endpoints):
+    ep, rep = endpoints
+
+    async def case():
+        index = HitIndex(BS)
+        index.register("e")
+        ctx = zmq.asyncio.Context()
+        sub = KVEventSubscriber(ctx, "e", ep, index, replay_endpoint=rep)
+        task = asyncio.create_task(sub.run())
+        pub = KVEventPublisher(ep, rep)
+        pub.start()
+        batches = chain(4, salt=7)
+        try:
+            for _, ev in batches:
+                pub.publish(time.time(), [ev])
+            await nudge_until(pub, lambda: held_blocks(index, batches[-1][0]) == 4)
+            index.drop_instance("e")  # pretend the index lost track; resync must restore it
+            sub.resync()
+            await until(lambda: sub.stats.rebuilds == 1 and held_blocks(index, batches[-1][0]) == 4)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            pub.close()
+            ctx.term()
+
+    run_case(case())
