@@ -1,0 +1,79 @@
+"""Narrow predictor protocols the scheduler asks for every term of a decision.
+
+Four questions, one protocol each, so an analytic model and a learned one are interchangeable
+per term: how long a prefill instance's queue takes to drain (queue), how long this prompt's
+prefill takes given its cached prefix (prefill), how long moving KV takes (transfer), and what
+time-between-tokens a decode instance delivers once this request joins (TBT). All times are
+seconds. Every method receives the instance id so per-instance models (another GPU, another
+profile) fit behind the same call.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Hashable, NamedTuple, Protocol, runtime_checkable
+
+#: ``transfer_time`` source meaning "the destination's own host memory" (a host-tier hit).
+HOST = "host"
+#: ``transfer_time`` source meaning "the shared KV store" (Mooncake Store).
+STORE = "store"
+
+
+class PrefillState(NamedTuple):
+    """Queued prefill work on one prefill instance, as the ledger sees it (plus observed metrics)."""
+
+    instance: str
+    queued_tokens: int = 0  # uncached prompt tokens reserved and not yet prefilled
+    queued_s: float = 0.0  # their predicted prefill seconds, minus the head's elapsed part
+    queued_requests: int = 0
+
+
+class DecodeState(NamedTuple):
+    """Running sequences and the KV tokens they hold on one decode instance."""
+
+    instance: str
+    running: int = 0
+    kv_tokens: int = 0
+
+
+@runtime_checkable
+class QueuePredictor(Protocol):
+    def queue_time(self, state: PrefillState) -> float:
+        """Seconds until a prefill submitted now would start on ``state.instance``."""
+
+
+@runtime_checkable
+class PrefillPredictor(Protocol):
+    def prefill_time(self, instance: str, prompt_tokens: int, cached_tokens: int) -> float:
+        """Seconds to prefill ``prompt_tokens`` when the first ``cached_tokens`` are already on device."""
+
+
+@runtime_checkable
+class TransferPredictor(Protocol):
+    def transfer_time(self, tokens: int, source: str, destination: str) -> float:
+        """Seconds to move the KV of ``tokens`` tokens onto ``destination``'s device.
+
+        ``source`` is another instance id, ``STORE`` (the shared store) or ``HOST`` (the
+        destination's own host memory). ``source == destination`` moves nothing: 0.
+        """
+
+
+@runtime_checkable
+class TBTPredictor(Protocol):
+    def tbt(self, state: DecodeState, prompt_tokens: int, max_tokens: int) -> float:
+        """Predicted TBT on ``state.instance`` once this request (prompt + max_tokens) joins."""
+
+
+@dataclass
+class Predictors:
+    """The bundle a scheduler decides with; each term can be swapped on its own.
+
+    ``group`` (optional) names instances the prefill and transfer predictors answer alike for
+    (same inputs, same answer: e.g. one hardware profile), so a decision computes those terms
+    once per group; None treats every instance as its own group.
+    """
+
+    queue: QueuePredictor
+    prefill: PrefillPredictor
+    transfer: TransferPredictor
+    tbt: TBTPredictor
+    group: Callable[[str], Hashable] | None = None

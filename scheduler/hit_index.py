@@ -1,0 +1,345 @@
+"""The hit map: which instance holds which prefix block, per tier, fed by KV cache events.
+
+Layout (chosen for memory and lookup speed in pure Python):
+
+* one dict per tier (device, host memory, shared store) mapping an *index* block hash to a
+  bitmask of instance slots: a million blocks cost one dict entry each, not one per holder;
+* per instance, a dict from the engine's own block hash to our index hash, because KV events
+  name blocks by the engine's hash (removals carry nothing else) while requests are matched by
+  ours. Stored blocks are re-hashed from the ``token_ids`` the event carries with
+  :func:`scheduler.hashing.block_hashes`, so the index never depends on an engine's hash seed
+  or algorithm and equals what the gateway computes for the same tokens.
+
+Decisions of this module (documented in docs/scheduler.md):
+
+* a BlockStored whose ``parent_block_hash`` is not None and unknown to that instance is
+  inconsistent (we cannot name its prefix): it is ignored and the call returns False;
+* the event's ``block_size`` must equal the index's, and ``token_ids`` must hold exactly
+  ``len(block_hashes) * block_size`` tokens; otherwise the event is ignored (False);
+* a BlockRemoved naming blocks the instance is not known to hold removes the ones it does hold
+  and returns False (the gateway may rebuild that instance from replay);
+* AllBlocksCleared clears the instance's device and host tiers; blocks it wrote to the shared
+  store stay (the store was not flushed). ``drop_instance`` clears every tier (before a replay);
+* each instance holds at most ``max_blocks`` blocks over all tiers; a BlockStored that would
+  exceed it is refused (False, counted in ``overflows``): memory stays bounded even when removal
+  events are lost, at the price of under-reporting hits until a rebuild;
+* LoRA / cache-salt variants of the same tokens collapse onto one index entry (the events'
+  token ids are all we hash); removing one variant removes the hit, which errs towards a miss.
+"""
+from __future__ import annotations
+
+import sys
+from bisect import bisect_right
+from dataclasses import dataclass, field
+from itertools import accumulate, repeat
+from operator import and_, neg, or_
+
+from scheduler.hashing import block_hashes as index_block_hashes
+
+DEVICE, HOST, STORE = 0, 1, 2
+TIER_NAMES = ("device", "host", "store")
+
+#: KV-event ``medium`` -> tier (vLLM: GPU, CPU; SGLang: GPU, CPU_PINNED, DISK, EXTERNAL).
+MEDIUM_TIERS = {"GPU": DEVICE, "CPU": HOST, "CPU_PINNED": HOST, "DISK": STORE, "EXTERNAL": STORE}
+
+#: Default bound on blocks per instance (all tiers) when the caller gives none.
+DEFAULT_MAX_BLOCKS = 1 << 20
+
+_INT_BYTES = sys.getsizeof(1 << 63)  # a 64-bit hash as a Python int
+_FIRST_CHUNK = 16  # blocks looked up before the first check that anyone still matches
+
+
+def tier_of(medium: str | None) -> int | None:
+    """The tier a KV event's medium names (None -> device, as vLLM omits the default)."""
+    if medium is None:
+        return DEVICE
+    if not isinstance(medium, str):
+        return None
+    return MEDIUM_TIERS.get(medium.upper())
+
+
+@dataclass(slots=True)
+class Match:
+    """Longest contiguous prefix per instance, in blocks, stopping at the first miss.
+
+    ``device``: on the instance's device; ``local``: on its device or host memory (so
+    ``local >= device``); ``store``: in the shared store. Instances with no hit are absent.
+    """
+
+    device: dict[str, int] = field(default_factory=dict)
+    local: dict[str, int] = field(default_factory=dict)
+    store: int = 0
+
+
+class HitIndex:
+    """Per-instance, per-tier prefix block index, fed by KV events; pure and synchronous."""
+
+    def __init__(self, block_size: int, max_blocks: int = DEFAULT_MAX_BLOCKS):
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.default_max_blocks = max_blocks
+        self._tiers: tuple[dict[int, int], dict[int, int], dict[int, int]] = ({}, {}, {})
+        self._slot: dict[str, int] = {}
+        self._ids: list[str | None] = []
+        self._bits: list[int] = []  # interned 1 << slot
+        self._free: list[int] = []
+        self._all = 0  # mask of registered slots
+        self._engine: dict[str, dict[int, int]] = {}  # instance -> engine hash -> index hash
+        self._counts: dict[str, list[int]] = {}  # instance -> blocks per tier
+        self._cap: dict[str, int] = {}
+        self._multi = 0  # entries held by two or more instances (their masks are distinct int objects)
+        self.overflows = 0  # BlockStored events refused by the per-instance bound
+
+    # --- registration -------------------------------------------------------------------
+    def register(self, instance_id: str, max_blocks: int | None = None) -> bool:
+        """Give an instance a slot; False if it already has one."""
+        if instance_id in self._slot:
+            return False
+        if self._free:
+            slot = self._free.pop()
+        else:
+            slot = len(self._ids)
+            self._ids.append(None)
+            self._bits.append(1 << slot)
+        self._ids[slot] = instance_id
+        self._slot[instance_id] = slot
+        self._all |= self._bits[slot]
+        self._engine[instance_id] = {}
+        self._counts[instance_id] = [0, 0, 0]
+        self._cap[instance_id] = max_blocks if max_blocks is not None else self.default_max_blocks
+        return True
+
+    def unregister(self, instance_id: str) -> bool:
+        """Forget an instance and free its slot (its blocks leave the index)."""
+        if instance_id not in self._slot:
+            return False
+        self.drop_instance(instance_id)
+        slot = self._slot.pop(instance_id)
+        self._ids[slot] = None
+        self._all &= ~self._bits[slot]
+        self._free.append(slot)
+        del self._engine[instance_id], self._counts[instance_id], self._cap[instance_id]
+        return True
+
+    def __contains__(self, instance_id: str) -> bool:
+        return self._slot_of(instance_id) is not None
+
+    def _slot_of(self, instance_id: str) -> int | None:
+        return self._slot.get(instance_id) if isinstance(instance_id, str) else None
+
+    # --- KV events ----------------------------------------------------------------------
+    def block_stored(self, instance_id: str, block_hashes: list[int], parent_block_hash: int | None,
+                     token_ids: list[int], block_size: int, medium: str | None = "GPU") -> bool:
+        """Record blocks an instance stored; False when ignored (see the module's rules)."""
+        slot = self._slot_of(instance_id)
+        tier = tier_of(medium)
+        if slot is None or tier is None or block_size != self.block_size:
+            return False
+        try:
+            n = len(block_hashes)
+            if len(token_ids) != n * block_size or not all(isinstance(e, int) for e in block_hashes):
+                return False
+            emap = self._engine[instance_id]
+            parent = None
+            if parent_block_hash is not None:
+                parent = emap.get(parent_block_hash)
+                if parent is None:
+                    return False
+            ours = index_block_hashes(token_ids, block_size, parent=parent)
+        except (TypeError, ValueError, OverflowError):
+            return False
+        counts = self._counts[instance_id]
+        if sum(counts) + n > self._cap[instance_id]:
+            self.overflows += 1
+            return False
+        bit = self._bits[slot]
+        table = self._tiers[tier]
+        for engine_hash, h in zip(block_hashes, ours):
+            old = emap.get(engine_hash)
+            if old is not None and old != h:  # the engine reused a hash for other tokens
+                self._forget(instance_id, slot, engine_hash, old, tiers=(DEVICE, HOST, STORE))
+            emap[engine_hash] = h
+            mask = table.get(h, 0)
+            if not mask & bit:
+                if mask:
+                    table[h] = mask | bit
+                    if not mask & (mask - 1):
+                        self._multi += 1
+                else:
+                    table[h] = bit
+                counts[tier] += 1
+        return True
+
+    def block_removed(self, instance_id: str, block_hashes: list[int], medium: str | None = "GPU") -> bool:
+        """Record blocks an instance evicted from one tier; False if ignored or partly unknown."""
+        slot = self._slot_of(instance_id)
+        tier = tier_of(medium)
+        if slot is None or tier is None:
+            return False
+        emap = self._engine[instance_id]
+        consistent = True
+        try:
+            for engine_hash in block_hashes:
+                h = emap.get(engine_hash)
+                if h is None or not self._forget(instance_id, slot, engine_hash, h, tiers=(tier,)):
+                    consistent = False
+        except TypeError:  # unhashable ids
+            return False
+        return consistent
+
+    def all_cleared(self, instance_id: str) -> None:
+        """The engine dropped its cache: clear its device and host tiers (the store keeps its copy)."""
+        self._clear(instance_id, tiers=(DEVICE, HOST))
+
+    def drop_instance(self, instance_id: str) -> None:
+        """Forget everything an instance reported, every tier (before rebuilding it from replay)."""
+        self._clear(instance_id, tiers=(DEVICE, HOST, STORE))
+
+    def _forget(self, instance_id: str, slot: int, engine_hash: int, h: int, tiers: tuple[int, ...]) -> bool:
+        """Clear ``h`` for one instance in ``tiers``; drop the engine mapping once no tier holds it."""
+        bit = self._bits[slot]
+        counts = self._counts[instance_id]
+        held = False
+        for tier in tiers:
+            table = self._tiers[tier]
+            mask = table.get(h, 0)
+            if mask & bit:
+                held = True
+                self._set_rest(table, h, mask & ~bit)
+                counts[tier] -= 1
+        if not any(self._tiers[t].get(h, 0) & bit for t in (DEVICE, HOST, STORE)):
+            self._engine[instance_id].pop(engine_hash, None)
+        return held
+
+    def _clear(self, instance_id: str, tiers: tuple[int, ...]) -> None:
+        slot = self._slot_of(instance_id)
+        if slot is None:
+            return
+        bit = self._bits[slot]
+        keep: dict[int, int] = {}
+        counts = self._counts[instance_id]
+        cleared = set(tiers)
+        for engine_hash, h in self._engine[instance_id].items():
+            for tier in tiers:
+                table = self._tiers[tier]
+                mask = table.get(h, 0)
+                if mask & bit:
+                    self._set_rest(table, h, mask & ~bit)
+            if any(self._tiers[t].get(h, 0) & bit for t in (DEVICE, HOST, STORE) if t not in cleared):
+                keep[engine_hash] = h
+        for tier in tiers:
+            counts[tier] = 0
+        self._engine[instance_id] = keep
+
+    def _set_rest(self, table: dict[int, int], h: int, rest: int) -> None:
+        """Store what is left of a mask after one holder left (single holders share interned ints)."""
+        if not rest:
+            del table[h]
+        elif rest & (rest - 1):
+            table[h] = rest  # still two or more holders
+        else:
+            table[h] = self._bits[rest.bit_length() - 1]
+            self._multi -= 1
+
+    # --- lookups ------------------------------------------------------------------------
+    def match(self, hashes: list[int], limit: int | None = None) -> Match:
+        """Longest contiguous prefix (in blocks) per instance and in the store, first miss stops.
+
+        ``limit`` caps the blocks looked at (an engine never reuses the block holding the
+        prompt's last token, so the scheduler passes ``(prompt_tokens - 1) // block_size``).
+        The walk runs in C over chunks of growing size: look the chunk up in the tier dicts
+        (``map``), AND the holder masks cumulatively (``accumulate``), and since a running AND
+        of bitmasks never increases, find where holders drop out by bisection. The host tier is
+        only consulted for chunks where some live holder is (or may become) host-only.
+        """
+        n = len(hashes) if limit is None else max(0, min(limit, len(hashes)))
+        dev, host, store = self._tiers
+        out = Match()
+        if n and (dev or host):
+            ids = self._ids
+            alive_l = alive_d = self._all
+            dget, hget = dev.get, host.get
+            start, step = 0, _FIRST_CHUNK
+            while start < n and alive_l:
+                end = min(n, start + step)
+                step *= 2
+                chunk = hashes[start:end]
+                d = list(map(dget, chunk, repeat(0, end - start)))
+                acc = list(accumulate(d, and_, initial=alive_d))
+                if not host:
+                    alive_l = alive_d = _scan(acc, start, out.device, ids)
+                elif alive_l == alive_d and acc[-1] == alive_d:
+                    pass  # every live holder still on device: the local run moves with it, no host lookups
+                else:
+                    loc = list(map(or_, d, map(hget, chunk, repeat(0, end - start))))
+                    alive_l = _scan(list(accumulate(loc, and_, initial=alive_l)), start, out.local, ids)
+                    alive_d = _scan(acc, start, out.device, ids)
+                start = end
+            if alive_d:
+                _record(out.device, alive_d, n, ids)
+            if host:
+                if alive_l:
+                    _record(out.local, alive_l, n, ids)
+            else:
+                out.local = dict(out.device)
+        if n and store:
+            contains = store.__contains__
+            start, step = 0, _FIRST_CHUNK
+            while start < n:
+                end = min(n, start + step)
+                step *= 2
+                flags = list(map(contains, hashes[start:end]))
+                if not all(flags):
+                    start += flags.index(False)
+                    break
+                start = end
+            out.store = min(start, n)
+        return out
+
+    # --- reporting ----------------------------------------------------------------------
+    def cached_blocks(self, instance_id: str) -> dict[str, int]:
+        counts = self._counts.get(instance_id, (0, 0, 0)) if isinstance(instance_id, str) else (0, 0, 0)
+        return dict(zip(TIER_NAMES, counts))
+
+    def blocks(self) -> dict[str, int]:
+        """Distinct block hashes per tier."""
+        return dict(zip(TIER_NAMES, map(len, self._tiers)))
+
+    def memory_bytes(self) -> int:
+        """Bytes held (as ``sys.getsizeof`` counts them): dict tables, key ints, multi-holder masks.
+
+        Cheap (no walk over entries), so ``snapshot()`` can report it; the benchmark checks it
+        against a full object walk.
+        """
+        total = sum(sys.getsizeof(t) for t in self._tiers)
+        total += sum(len(t) for t in self._tiers) * _INT_BYTES  # index-hash keys
+        total += self._multi * _INT_BYTES  # masks of several holders (single ones are interned)
+        for emap in self._engine.values():
+            total += sys.getsizeof(emap) + len(emap) * _INT_BYTES  # engine-hash keys; values are the keys above
+        return total
+
+
+def _scan(acc: list[int], offset: int, out: dict[str, int], ids: list[str | None]) -> int:
+    """Record holders whose run ends inside a chunk; return who is still alive after it.
+
+    ``acc[k]`` is the set of holders alive after the chunk's first k blocks (a running AND, so
+    it never increases as an integer): where it drops is found by bisection, not by a loop.
+    """
+    cur, last = acc[0], acc[-1]
+    lo = 0
+    while cur != last:
+        k = bisect_right(acc, -cur, lo, key=neg)  # first k with acc[k] < cur
+        length = offset + k - 1  # block offset + k - 1 was the first miss
+        if length:
+            _record(out, cur & ~acc[k], length, ids)
+        cur, lo = acc[k], k
+    return last
+
+
+def _record(out: dict[str, int], mask: int, length: int, ids: list[str | None]) -> None:
+    """Set ``out[id] = length`` for every slot in ``mask``."""
+    while mask:
+        low = mask & -mask
+        out[ids[low.bit_length() - 1]] = length  # type: ignore[index]
+        mask ^= low

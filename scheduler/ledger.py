@@ -1,0 +1,256 @@
+"""The ledger: the scheduler's own view of load, updated at decision time, not polled.
+
+Like Dynamo's active-load tracker, load is what the scheduler itself has placed: per prefill
+instance the queued prefill work (uncached tokens and their predicted seconds), per decode
+instance the running sequences and the KV tokens they hold (prompt + max_tokens, the most
+they will hold). Every placement is a :class:`Reservation`; ``prefill_done`` moves its prefill
+work off the prefill instance, ``release`` returns everything it still holds, exactly once.
+
+Observed engine metrics (``observe``) reconcile the view: load the scheduler did not place
+(another gateway, requests it lost track of) raises the effective figures, never lowers them,
+and an observation older than ``observe_ttl_s`` is ignored.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from predictors.base import DecodeState, PrefillState
+
+
+@dataclass(slots=True)
+class Reservation:
+    request_id: str
+    prefill: str
+    decode: str
+    prefill_tokens: int  # prompt tokens minus hit tokens
+    prefill_s: float  # predicted prefill seconds
+    kv_tokens: int  # prompt + max_tokens, held on the decode instance
+    created_s: float
+    decode_start_s: float  # predicted (made actual by prefill_done)
+    decode_end_s: float  # predicted
+    prefill_pending: bool = True
+
+
+@dataclass(slots=True)
+class _Observed:
+    running: int
+    waiting: int
+    kv_usage: float
+    at_s: float
+
+
+@dataclass(slots=True)
+class _Load:
+    """Per-instance counters; ``pending`` keeps prefill arrival order for the head credit."""
+
+    queued_tokens: int = 0
+    queued_s: float = 0.0
+    pending: dict[str, float] = field(default_factory=dict)  # request id -> predicted prefill s
+    head_since_s: float = 0.0  # when the current head of the prefill queue started
+    running: int = 0
+    kv_tokens: int = 0
+    decoding: dict[str, Reservation] = field(default_factory=dict)
+    active: int = 0  # reservations touching this instance, each counted once
+    observed: _Observed | None = None
+    kv_capacity_tokens: int = 0
+    typical_prefill_s: float = 0.0  # for queue seen in metrics but not in the ledger
+    idle_prefill: PrefillState | None = None  # shared answers for the common idle case
+    decode_now: DecodeState | None = None  # cached (running, kv) view; None when stale
+
+
+class Ledger:
+    """Reservations and the per-instance load they add up to; pure, clock passed in."""
+
+    def __init__(self, observe_ttl_s: float = 10.0):
+        self.observe_ttl_s = observe_ttl_s
+        self._loads: dict[str, _Load] = {}
+        self._reservations: dict[str, Reservation] = {}
+
+    # --- instances ----------------------------------------------------------------------
+    def add_instance(self, instance_id: str, kv_capacity_tokens: int = 0, typical_prefill_s: float = 0.0) -> None:
+        if instance_id not in self._loads:
+            self._loads[instance_id] = _Load(kv_capacity_tokens=kv_capacity_tokens,
+                                             typical_prefill_s=typical_prefill_s,
+                                             idle_prefill=PrefillState(instance_id))
+
+    def remove_instance(self, instance_id: str) -> None:
+        """Stop tracking an instance; reservations on it stay releasable (exactly once)."""
+        self._loads.pop(instance_id, None)
+
+    # --- reservations -------------------------------------------------------------------
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._reservations
+
+    def __len__(self) -> int:
+        return len(self._reservations)
+
+    def get(self, request_id: str) -> Reservation | None:
+        return self._reservations.get(request_id)
+
+    def reserve(self, r: Reservation, now: float) -> bool:
+        """Add a reservation; False (and no change) if its request id is already held."""
+        if r.request_id in self._reservations:
+            return False
+        self._reservations[r.request_id] = r
+        p = self._loads.get(r.prefill)
+        if p is not None:
+            if not p.pending:
+                p.head_since_s = now
+            p.pending[r.request_id] = r.prefill_s
+            p.queued_tokens += r.prefill_tokens
+            p.queued_s += r.prefill_s
+            p.active += 1
+        d = self._loads.get(r.decode)
+        if d is not None:
+            d.running += 1
+            d.kv_tokens += r.kv_tokens
+            d.decode_now = None
+            d.decoding[r.request_id] = r
+            if r.decode != r.prefill:
+                d.active += 1
+        return True
+
+    def prefill_done(self, request_id: str, now: float) -> bool:
+        """Its prefill finished: the work leaves the prefill queue. Idempotent; unknown ids ignored."""
+        r = self._reservations.get(request_id)
+        if r is None or not r.prefill_pending:
+            return False
+        self._unqueue(r, now)
+        duration = r.decode_end_s - r.decode_start_s
+        r.decode_start_s, r.decode_end_s = now, now + duration
+        return True
+
+    def release(self, request_id: str, now: float) -> bool:
+        """Return everything the reservation still holds; True only the first time."""
+        r = self._reservations.pop(request_id, None)
+        if r is None:
+            return False
+        if r.prefill_pending:
+            self._unqueue(r, now)
+        d = self._loads.get(r.decode)
+        if d is not None and d.decoding.pop(request_id, None) is not None:
+            d.running -= 1
+            d.kv_tokens -= r.kv_tokens
+            d.decode_now = None
+            d.active -= 1
+        return True
+
+    def _unqueue(self, r: Reservation, now: float) -> None:
+        r.prefill_pending = False
+        p = self._loads.get(r.prefill)
+        if p is None or r.request_id not in p.pending:
+            return
+        was_head = next(iter(p.pending)) == r.request_id
+        del p.pending[r.request_id]
+        p.queued_tokens -= r.prefill_tokens
+        if p.pending:
+            p.queued_s = max(0.0, p.queued_s - r.prefill_s)
+            if was_head:
+                p.head_since_s = now  # the next in line starts its turn now
+        else:  # exact zero: no float residue survives an empty queue
+            p.queued_s = 0.0
+        if r.decode != r.prefill:
+            p.active -= 1
+
+    # --- load views ---------------------------------------------------------------------
+    def prefill_state(self, instance_id: str, now: float) -> PrefillState:
+        """Queued prefill work; the head's elapsed time (up to its prediction) is already done."""
+        return self.prefill_view(instance_id, now)[0]
+
+    def prefill_view(self, instance_id: str, now: float) -> tuple[PrefillState, int]:
+        """``prefill_state`` and the active request count in one lookup (the decision's hot loop)."""
+        p = self._loads.get(instance_id)
+        if p is None:
+            return PrefillState(instance_id), 0
+        if not p.pending and p.observed is None:  # the common idle case, no arithmetic
+            return p.idle_prefill, p.active
+        queued_s = p.queued_s
+        requests = len(p.pending)
+        if p.pending:
+            head_s = next(iter(p.pending.values()))
+            queued_s -= min(max(0.0, now - p.head_since_s), head_s)
+        o = p.observed
+        if o is not None and now - o.at_s <= self.observe_ttl_s:
+            unseen = o.waiting - requests  # queued in the engine but not placed by us
+            if unseen > 0:
+                queued_s += unseen * p.typical_prefill_s
+        return PrefillState(instance_id, p.queued_tokens, max(0.0, queued_s), requests), p.active
+
+    def decode_state(self, instance_id: str, now: float) -> DecodeState:
+        """Running sequences and KV tokens: the larger of our reservations and observed metrics."""
+        d = self._loads.get(instance_id)
+        if d is None:
+            return DecodeState(instance_id)
+        o = d.observed
+        if o is None:
+            if d.decode_now is None:
+                d.decode_now = DecodeState(instance_id, d.running, d.kv_tokens)
+            return d.decode_now
+        running, kv = d.running, d.kv_tokens
+        if o is not None and now - o.at_s <= self.observe_ttl_s:
+            running = max(running, o.running)
+            kv = max(kv, int(o.kv_usage * d.kv_capacity_tokens))
+        return DecodeState(instance_id, running, kv)
+
+    def decode_state_at(self, instance_id: str, t: float, now: float) -> DecodeState:
+        """Predicted decode load at time ``t`` (Mooncake §7.4): those decoding at t, not the rest.
+
+        A reservation counts if its (predicted) decode has started by ``t`` and not yet ended;
+        load seen only in observed metrics is assumed to stay.
+        """
+        d = self._loads.get(instance_id)
+        if d is None:
+            return DecodeState(instance_id)
+        running = kv = 0
+        for r in d.decoding.values():
+            if r.decode_start_s <= t < r.decode_end_s:
+                running += 1
+                kv += r.kv_tokens
+        o = d.observed
+        if o is not None and now - o.at_s <= self.observe_ttl_s:  # unplaced load stays
+            running += max(0, o.running - d.running)
+            kv += max(0, int(o.kv_usage * d.kv_capacity_tokens) - d.kv_tokens)
+        return DecodeState(instance_id, running, kv)
+
+    def decode_departures(self, instance_id: str) -> list[Reservation]:
+        """Reservations decoding on an instance, soonest predicted end first (for retry-after)."""
+        d = self._loads.get(instance_id)
+        if d is None:
+            return []
+        return sorted(d.decoding.values(), key=lambda r: r.decode_end_s)
+
+    def active_requests(self, instance_id: str) -> int:
+        d = self._loads.get(instance_id)
+        return d.active if d is not None else 0
+
+    def observe(self, instance_id: str, running: int, waiting: int, kv_usage: float, now: float) -> bool:
+        """Record scraped engine metrics; False for an unknown instance or impossible values."""
+        d = self._loads.get(instance_id)
+        try:
+            ok = d is not None and running >= 0 and waiting >= 0 and 0.0 <= kv_usage <= 1.0
+        except TypeError:
+            return False
+        if not ok:
+            return False
+        d.observed = _Observed(int(running), int(waiting), float(kv_usage), now)
+        return True
+
+    # --- reporting ----------------------------------------------------------------------
+    def instance_totals(self, instance_id: str) -> dict[str, float | int]:
+        p = self._loads.get(instance_id) or _Load()
+        return {"reserved_prefill_tokens": p.queued_tokens, "reserved_prefill_s": p.queued_s,
+                "active_requests": p.active, "running": p.running, "kv_tokens": p.kv_tokens}
+
+    def totals(self) -> dict[str, float | int]:
+        loads = self._loads.values()
+        return {"reservations": len(self._reservations),
+                "reserved_prefill_tokens": sum(p.queued_tokens for p in loads),
+                "reserved_prefill_s": sum(p.queued_s for p in loads),
+                "running": sum(p.running for p in loads),
+                "kv_tokens": sum(p.kv_tokens for p in loads)}
+
+    def is_idle(self) -> bool:
+        """True when nothing is reserved and every counter is back to exactly zero."""
+        return not self._reservations and all(
+            p.queued_tokens == 0 and p.queued_s == 0.0 and not p.pending and p.running == 0
+            and p.kv_tokens == 0 and not p.decoding and p.active == 0 for p in self._loads.values())

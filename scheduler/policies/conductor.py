@@ -1,0 +1,84 @@
+"""``conductor``: Mooncake's KVCache-centric scheduling (FAST'25, Algorithm 1).
+
+For every prefill instance p: either recompute beyond p's own prefix, or pull the best
+holder's prefix (the longest anywhere: another prefill instance or the shared store) and
+prefill the rest; TTFT_p = T_transfer + T_queue + T_prefill; p* = argmin TTFT_p. Whether p pulls
+follows either the paper's ratio rule (``pull_rule="ratio"``: pull when p holds nothing of a
+prefix that exists, or best_len / p.prefix_len > ``balancing_threshold``) or the direct rule the
+paper also states (``pull_rule="direct"``, default): pull when the transfer is faster than the
+prefill it saves. An overloaded holder thus loses to an idle instance that fetches the prefix
+itself, and that fetch is how hot prefixes replicate. The decode instance is the one with the
+lowest predicted TBT once this request joins.
+"""
+from __future__ import annotations
+
+from scheduler.cost import DecisionContext, PrefillCandidate, Terms
+from scheduler.policies.base import DecodeChoice, Policy, PrefillChoice, argmin, runner_up
+from scheduler.types import BOTH, PREFILL
+
+
+class ConductorPolicy(Policy):
+    name = "conductor"
+    source = "Mooncake FAST'25 Algorithm 1 (KVCache-centric scheduling); direct pull rule from its text"
+    score_name = "ttft_s"
+    defaults = {"pull_rule": "direct", "balancing_threshold": 2.0}
+
+    def __init__(self, **params):
+        super().__init__(**params)
+        if self.params["pull_rule"] not in ("direct", "ratio"):
+            raise ValueError(f"pull_rule must be 'direct' or 'ratio', got {self.params['pull_rule']!r}")
+        if not self.params["balancing_threshold"] > 0:
+            raise ValueError("balancing_threshold must be > 0")
+
+    def _pulls(self, c: PrefillCandidate, pull: Terms, recompute: Terms, best_blocks: int) -> bool:
+        if self.params["pull_rule"] == "ratio":
+            return c.local_blocks == 0 or best_blocks / c.local_blocks > self.params["balancing_threshold"]
+        return pull.cache_s < recompute.cache_s  # the transfer costs less than the prefill it saves
+
+    def choose_prefill(self, ctx: DecisionContext) -> PrefillChoice:
+        holder, best_blocks = ctx.holder, ctx.holder_blocks
+        book = ctx.terms
+        rows: dict[str, Terms] = {}
+        chosen: dict[tuple, Terms] = {}  # the way to serve depends only on (group, prefix facts)
+        for c in ctx.prefill:
+            key = (c.group, c.device_blocks, c.local_blocks)
+            t = chosen.get(key)
+            if t is None:
+                t = c.local
+                if holder is not None and best_blocks > c.local_blocks:  # someone holds more: pull or not
+                    recompute = book.recompute(c)
+                    pull = book.pull(c, holder, best_blocks)
+                    t = pull if self._pulls(c, pull, recompute, best_blocks) else recompute
+                chosen[key] = t
+            rows[c.id] = t
+        kv_est = self._kv_shipment_estimates(ctx)
+        scores = {c.id: c.ttft(rows[c.id]) + kv_est.get(c.id, 0.0) for c in ctx.prefill}
+        winner = argmin(ctx.prefill, key=lambda c: (scores[c.id], c.state.queued_tokens), rng=ctx.rng)
+        t = rows[winner.id]
+        why = f"lowest predicted TTFT {scores[winner.id]:.4g}s{runner_up(scores, winner.id)}"
+        if t.transfer_from is not None and t.transfer_tokens:
+            why += f"; pulls {t.transfer_tokens} tokens from {t.transfer_from} (replicates the prefix)"
+        extra = {"best_holder": holder, "best_hit_tokens": best_blocks * ctx.block_size,
+                 "pull_rule": self.params["pull_rule"]}
+        return PrefillChoice(winner, t, scores, why, rows, extra)
+
+    @staticmethod
+    def _kv_shipment_estimates(ctx: DecisionContext) -> dict[str, float]:
+        """Prefill->decode shipment per candidate, only when it differs (a mix of roles).
+
+        With only prefill-role (or only ``both``) candidates it is the same for all and cannot
+        change the argmin, so it is added after the decode choice instead.
+        """
+        roles = {c.role for c in ctx.prefill}
+        if not (BOTH in roles and PREFILL in roles) or not ctx.decode:
+            return {}
+        ref = ctx.decode[0].id
+        ship = ctx.predictors.transfer.transfer_time
+        return {c.id: ship(ctx.prompt_tokens, c.id, ref) for c in ctx.prefill if c.role == PREFILL}
+
+    def choose_decode(self, ctx: DecisionContext, prefill: PrefillCandidate) -> DecodeChoice:
+        scores = {d.id: d.tbt_s for d in ctx.decode}
+        winner = argmin(ctx.decode, key=lambda d: (d.tbt_s, d.state.running), rng=ctx.rng)
+        return DecodeChoice(winner, scores, f"lowest predicted TBT {winner.tbt_s:.4g}s with this request"
+                                            f"{runner_up(scores, winner.id)}")
+

@@ -1,0 +1,367 @@
+"""The scheduler facade: one call per request, pure (no I/O, no awaits), clock injected.
+
+Pipeline of ``decide``: validate the facts -> pick healthy candidates -> read every prefill
+candidate's longest prefix from the hit map -> predict its terms (transfer, queue, prefill)
+and each decode candidate's TBT -> the policy picks the prefill instance, then the decode
+instance (a ``both`` instance decodes its own request) -> add the prefill->decode KV shipment
+-> admission against the SLO -> reserve in the ledger and record the explanation.
+The live gateway and the discrete-event simulator run this very code.
+"""
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+from typing import Any, Callable, Iterable
+
+import xxhash
+
+from engines_adapters.sim.profiles import load_profile
+from predictors.analytic import ProfileBook, analytic_predictors
+from predictors.base import Predictors
+from predictors.telemetry import SLO
+from scheduler import admission
+from scheduler.cost import DecisionContext, DecodeCandidate, PrefillCandidate, TermBook, Terms, best_holder
+from scheduler.explain import DECODE_COLUMNS, PREFILL_COLUMNS, bare_record, decode_row, prefill_row, table
+from scheduler.hit_index import HitIndex
+from scheduler.ledger import Ledger, Reservation
+from scheduler.policies import POLICIES, PrefillChoice, make_policy
+from scheduler.types import (BAD_REQUEST, BOTH, INTERNAL, PREFILL, UNAVAILABLE, Instance, Placement, Rejection,
+                             RequestFacts)
+from scheduler.validation import check_facts
+
+#: Blocks of shared-store entries an instance may report beyond twice its device + host capacity.
+STORE_ALLOWANCE_BLOCKS = 1 << 18
+
+
+class _Pools:
+    """Candidate instances by side, with the context lengths that decide whether to filter."""
+
+    __slots__ = ("prefill", "decode", "prefill_max_len", "prefill_min_len", "decode_min_len", "prefill_only")
+
+    def __init__(self, prefill: list[Instance], decode: list[Instance], max_len: dict[str, int]):
+        self.prefill, self.decode = prefill, decode
+        self.prefill_max_len = max((max_len[i.id] for i in prefill), default=0)
+        self.prefill_min_len = min((max_len[i.id] for i in prefill), default=0)
+        self.decode_min_len = min((max_len[i.id] for i in decode), default=0)
+        self.prefill_only = any(i.role == PREFILL for i in prefill)
+
+
+class Scheduler:
+    """Decides (prefill, decode) pairs over a cluster of instances; see docs/scheduler.md."""
+
+    def __init__(self, instances: Iterable[Instance], *, policy: str = "conductor", slo: SLO = SLO(),
+                 block_size: int = 16, clock: Callable[[], float] = time.monotonic,
+                 predictors: Predictors | None = None, seed: int = 0, early_rejection: bool = False,
+                 keep_decisions: int = 1000, **policy_params: Any):
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.policy = make_policy(policy, **policy_params)
+        self.policy_name = policy
+        self.slo = slo
+        self.block_size = block_size
+        self.clock = clock
+        self.seed = seed
+        self.early_rejection = early_rejection
+        self.index = HitIndex(block_size)
+        self.ledger = Ledger()
+        self.book = ProfileBook()
+        self.predictors = predictors if predictors is not None else analytic_predictors(self.book)
+        self.decisions: deque[dict[str, Any]] = deque(maxlen=max(0, keep_decisions))
+        self.counts: dict[str, int] = {"placed": 0}
+        self._instances: dict[str, Instance] = {}
+        self._healthy: dict[str, bool] = {}
+        self._max_len: dict[str, int] = {}
+        self._group: dict[str, Any] = {}
+        self._pool_cache: _Pools | None = None
+        for inst in instances:
+            if not self.add_instance(inst):
+                raise ValueError(f"duplicate instance id {inst.id!r}")
+
+    # --- cluster membership -------------------------------------------------------------
+    @staticmethod
+    def policy_names() -> list[str]:
+        return list(POLICIES)
+
+    def add_instance(self, inst: Instance) -> bool:
+        """Register an instance; False if its id is taken. ValueError for an unknown profile."""
+        if not isinstance(inst, Instance):
+            raise TypeError(f"expected an Instance, got {type(inst).__name__}")
+        if inst.id in self._instances:
+            return False
+        try:
+            profile = load_profile(inst.profile)
+        except KeyError as e:
+            raise ValueError(str(e)) from None
+        self.book.set(inst.id, profile)
+        cap = 2 * (profile.kv_capacity_tokens + profile.host_capacity_tokens) // self.block_size
+        self.index.register(inst.id, max_blocks=cap + STORE_ALLOWANCE_BLOCKS)
+        typical = self.predictors.prefill.prefill_time(inst.id, 1024, 0) if inst.prefills else 0.0
+        self.ledger.add_instance(inst.id, kv_capacity_tokens=profile.kv_capacity_tokens, typical_prefill_s=typical)
+        self._instances[inst.id] = inst
+        self._healthy[inst.id] = bool(inst.healthy)
+        self._max_len[inst.id] = profile.max_model_len
+        self._group[inst.id] = self.predictors.group(inst.id) if self.predictors.group is not None else inst.id
+        self._pool_cache = None
+        return True
+
+    def remove_instance(self, instance_id: str) -> bool:
+        """Forget an instance (its index entries too); its reservations stay releasable once."""
+        if not self._known(instance_id):
+            return False
+        del self._instances[instance_id], self._healthy[instance_id], self._max_len[instance_id]
+        del self._group[instance_id]
+        self._pool_cache = None
+        self.index.unregister(instance_id)
+        self.ledger.remove_instance(instance_id)
+        self.book.remove(instance_id)
+        return True
+
+    def set_healthy(self, instance_id: str, healthy: bool) -> bool:
+        if not self._known(instance_id):
+            return False
+        if self._healthy[instance_id] != bool(healthy):
+            self._healthy[instance_id] = bool(healthy)
+            self._pool_cache = None
+        return True
+
+    def observe_load(self, instance_id: str, *, running: int, waiting: int, kv_usage: float) -> bool:
+        """Reconcile with scraped engine metrics (vllm:num_requests_running/waiting, kv_cache_usage_perc)."""
+        if not self._known(instance_id):
+            return False
+        return self.ledger.observe(instance_id, running, waiting, kv_usage, self.clock())
+
+    def _known(self, instance_id: Any) -> bool:
+        return isinstance(instance_id, str) and instance_id in self._instances
+
+    def _pools(self, exclude: frozenset[str]) -> "_Pools":
+        """Healthy prefill and decode candidates (cached until membership or health changes)."""
+        if not exclude and self._pool_cache is not None:
+            return self._pool_cache
+        live = [i for i in self._instances.values() if self._healthy[i.id] and i.id not in exclude]
+        pools = _Pools([i for i in live if i.prefills], [i for i in live if i.decodes], self._max_len)
+        if not exclude:
+            self._pool_cache = pools
+        return pools
+
+    # --- request lifecycle --------------------------------------------------------------
+    def decide(self, facts: RequestFacts) -> Placement | Rejection:
+        """Place a request or refuse it; never raises."""
+        return self._guarded(facts, frozenset(), commit=True)
+
+    def evaluate(self, facts: RequestFacts) -> Placement | Rejection:
+        """What ``decide`` would answer now, without reserving or advancing policy state."""
+        return self._guarded(facts, frozenset(), commit=False)
+
+    def retry_excluding(self, facts: RequestFacts, exclude: set[str]) -> Placement | Rejection:
+        """Release the request's reservation (if any) and decide again avoiding ``exclude``."""
+        rid = getattr(facts, "request_id", None)
+        if isinstance(rid, str):
+            self.release(rid)
+        try:
+            excluded = frozenset(x for x in exclude if isinstance(x, str))
+        except TypeError:
+            excluded = frozenset()
+        return self._guarded(facts, excluded, commit=True)
+
+    def prefill_done(self, request_id: str) -> bool:
+        """Prefill finished: its queued work leaves the prefill instance. Idempotent."""
+        if not isinstance(request_id, str):
+            return False
+        return self.ledger.prefill_done(request_id, self.clock())
+
+    def release(self, request_id: str) -> bool:
+        """Return everything the reservation holds; True the first time only."""
+        if not isinstance(request_id, str):
+            return False
+        return self.ledger.release(request_id, self.clock())
+
+    # --- reporting ----------------------------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        rows = []
+        for iid, inst in self._instances.items():
+            t = self.ledger.instance_totals(iid)
+            rows.append({"id": iid, "role": inst.role, "profile": inst.profile, "healthy": self._healthy[iid],
+                         "reserved_prefill_tokens": t["reserved_prefill_tokens"],
+                         "reserved_prefill_s": t["reserved_prefill_s"], "active_requests": t["active_requests"],
+                         "running": t["running"], "kv_tokens": t["kv_tokens"],
+                         "cached_blocks": self.index.cached_blocks(iid)})
+        totals = dict(self.ledger.totals())
+        totals.update(instances=len(self._instances), healthy=sum(self._healthy.values()),
+                      index_blocks=self.index.blocks(), index_overflows=self.index.overflows,
+                      decisions=dict(self.counts))
+        return {"policy": self.policy_name, "instances": rows, "totals": totals,
+                "index_mb": self.index.memory_bytes() / 1e6}
+
+    # --- the decision -------------------------------------------------------------------
+    def _guarded(self, facts: Any, exclude: frozenset[str], commit: bool) -> Placement | Rejection:
+        try:
+            return self._decide(facts, exclude, commit)
+        except Exception as e:  # a bug of ours must not escape into the gateway's request path
+            rid = getattr(facts, "request_id", None)
+            record = bare_record(rid, self.policy_name, self.clock(), "internal_error", repr(e))
+            if commit:
+                self._count("internal_error")
+                self.decisions.append(record)
+            return Rejection(str(rid), INTERNAL, "internal_error", f"scheduler error: {e!r}", None, record)
+
+    def _refuse(self, facts: Any, status: int, reason: str, message: str, now: float, commit: bool,
+                record: dict[str, Any] | None = None, retry_after_s: float | None = None) -> Rejection:
+        rid = getattr(facts, "request_id", None)
+        if record is None:
+            record = bare_record(rid, self.policy_name, now, reason, message)
+        else:
+            record["message"] = message
+        if commit:
+            self._count(reason)
+            self.decisions.append(record)
+        return Rejection(rid if isinstance(rid, str) else str(rid), status, reason, message, retry_after_s, record)
+
+    def _count(self, key: str) -> None:
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+    def _decide(self, facts: Any, exclude: frozenset[str], commit: bool) -> Placement | Rejection:
+        now = self.clock()
+        bad = check_facts(facts, self.block_size)
+        if bad is not None:
+            return self._refuse(facts, BAD_REQUEST, bad[0], bad[1], now, commit)
+        rid, prompt, max_tokens = facts.request_id, facts.prompt_tokens, facts.max_tokens
+        if commit and rid in self.ledger:
+            return self._refuse(facts, BAD_REQUEST, "duplicate_request_id",
+                                f"request {rid!r} already holds a reservation", now, commit)
+
+        # candidates: healthy, not excluded, with room for prompt + output in their context
+        pools = self._pools(exclude)
+        if not pools.prefill:
+            return self._refuse(facts, UNAVAILABLE, "no_healthy_prefill", "no healthy prefill instance", now, commit)
+        need = prompt + max_tokens
+        if need > pools.prefill_max_len:
+            return self._refuse(facts, BAD_REQUEST, "prompt_too_long",
+                                f"{prompt} prompt + {max_tokens} output tokens exceed the "
+                                f"{pools.prefill_max_len}-token context", now, commit)
+        decode_pool = pools.decode
+        if need > pools.decode_min_len:
+            decode_pool = [i for i in decode_pool if self._max_len[i.id] >= need]
+        prefill_pool = pools.prefill
+        if need > pools.prefill_min_len or (not decode_pool and pools.prefill_only):
+            prefill_pool = [i for i in prefill_pool if self._max_len[i.id] >= need and (i.role == BOTH or decode_pool)]
+        if not prefill_pool:
+            return self._refuse(facts, UNAVAILABLE, "no_healthy_decode",
+                                "no healthy decode instance for a prefill-only instance", now, commit)
+
+        # cache facts: an engine never reuses the block holding the prompt's last token
+        usable = min(len(facts.block_hashes), (prompt - 1) // self.block_size)
+        try:
+            match = self.index.match(facts.block_hashes, usable)
+        except TypeError:
+            return self._refuse(facts, BAD_REQUEST, "bad_block_hashes", "block hashes must be integers", now, commit)
+
+        bs, pred, ledger = self.block_size, self.predictors, self.ledger
+        book = TermBook(prompt, bs, match.store, pred)
+        queue_time, group = pred.queue.queue_time, self._group
+        dev, loc = match.device, match.local
+        prefill: list[PrefillCandidate] = []
+        for i in prefill_pool:
+            state, active = ledger.prefill_view(i.id, now)
+            c = PrefillCandidate(i.id, i.role, dev.get(i.id, 0), loc.get(i.id, 0), state, queue_time(state),
+                                 active, group[i.id])
+            c.local = book.local(c)
+            prefill.append(c)
+        decode = self._decode_candidates(decode_pool, facts, now, None)
+        ctx = DecisionContext(facts, now, bs, prefill, match.store, pred, book, self._rng_for(rid),
+                              self.policy.params, decode, *best_holder(prefill, match.store))
+
+        pc = self.policy.choose_prefill(ctx)
+        p, terms = pc.candidate, pc.terms
+        prefill_done_at = now + p.ttft(terms)
+        if self.early_rejection:  # decode load predicted when this prefill finishes (Mooncake §7.4)
+            ctx.decode = self._decode_candidates(decode_pool, facts, now, prefill_done_at)
+        chose_decode = p.role != BOTH
+        if chose_decode:
+            dc = self.policy.choose_decode(ctx, p)
+            d, decode_why, decode_scores = dc.candidate, dc.why, dc.scores
+        else:
+            d = next((x for x in ctx.decode if x.id == p.id), None)
+            if d is None:
+                d = self._decode_candidates([self._instances[p.id]], facts, now,
+                                            prefill_done_at if self.early_rejection else None)[0]
+            decode_why, decode_scores = "a 'both' instance decodes what it prefilled", {}
+        kv_s = pred.transfer.transfer_time(prompt, p.id, d.id) if d.id != p.id else 0.0
+        ttft = terms.transfer_s + p.queue_s + terms.prefill_s + kv_s
+        slo = admission.resolve_slo(self.slo, facts.slo)
+        ttft_verdict = admission.check_ttft(ttft, p.queue_s, slo.ttft_s)
+        tbt_verdict = admission.check_tbt(d.tbt_s, slo.tbt_s, d.state,
+                                          ledger.decode_departures(d.id) if slo.tbt_s is not None else [],
+                                          prompt, max_tokens, pred, now)
+        verdict = ttft_verdict or tbt_verdict
+        replication = None
+        if terms.transfer_from is not None and terms.transfer_tokens > 0:
+            replication = {"source": terms.transfer_from, "destination": p.id, "tokens": terms.transfer_tokens,
+                           "blocks": [p.local_blocks, terms.hit_tokens // bs]}
+        record = self._record(ctx, pc, d, decode_scores, decode_why, terms, kv_s, ttft, slo, replication,
+                              [v for v in (ttft_verdict, tbt_verdict) if v is not None])
+        if verdict is not None:
+            return self._refuse(facts, verdict.status, verdict.reason, verdict.message, now, commit, record,
+                                verdict.retry_after_s)
+
+        now_state = ledger.decode_state(d.id, now) if self.early_rejection else d.state
+        placement = Placement(
+            request_id=rid, prefill=p.id, decode=d.id, hit_tokens=terms.hit_tokens,
+            local_hit_tokens=terms.local_hit_tokens, transfer_tokens=terms.transfer_tokens,
+            transfer_from=terms.transfer_from, queue_s=p.queue_s, prefill_s=terms.prefill_s,
+            transfer_s=terms.transfer_s, ttft_s=ttft, tbt_s=d.tbt_s, queue_tokens=p.state.queued_tokens,
+            queue_requests=p.state.queued_requests, decode_running=now_state.running,
+            decode_kv_tokens=now_state.kv_tokens, explanation=record, kv_transfer_s=kv_s, policy=self.policy_name)
+        if commit:
+            decode_start = now + ttft
+            ledger.reserve(Reservation(rid, p.id, d.id, prompt - terms.hit_tokens, terms.prefill_s, need, now,
+                                       decode_start, decode_start + max(1, max_tokens) * d.tbt_s), now)
+            self.policy.placed(ctx, p.id, d.id, chose_decode)
+            self.counts["placed"] += 1
+            self.decisions.append(record)
+        return placement
+
+    def _decode_candidates(self, pool: list[Instance], facts: RequestFacts, now: float,
+                           at: float | None) -> list[DecodeCandidate]:
+        """Decode candidates with their TBT once this request joins: now, or predicted at ``at``."""
+        ledger, tbt = self.ledger, self.predictors.tbt.tbt
+        prompt, max_tokens = facts.prompt_tokens, facts.max_tokens
+        out = []
+        for i in pool:
+            state = ledger.decode_state(i.id, now) if at is None else ledger.decode_state_at(i.id, at, now)
+            out.append(DecodeCandidate(i.id, i.role, state, tbt(state, prompt, max_tokens)))
+        return out
+
+    def _rng_for(self, request_id: str) -> random.Random:
+        """Randomness per request, reproducible from (seed, request id) whatever came before."""
+        return random.Random(xxhash.xxh3_64_intdigest(request_id.encode("utf-8", "surrogatepass"),
+                                                      self.seed & 0xFFFF_FFFF_FFFF_FFFF))
+
+    def _record(self, ctx: DecisionContext, pc: PrefillChoice, d: DecodeCandidate, decode_scores: dict[str, float],
+                decode_why: str,
+                terms: Terms, kv_s: float, ttft: float, slo: SLO, replication: dict | None,
+                violations: list) -> dict[str, Any]:
+        rows = pc.rows or {}
+        scores = pc.scores
+        return {
+            "request_id": ctx.facts.request_id, "policy": self.policy_name, "score": self.policy.score_name,
+            "time_s": ctx.now, "outcome": "rejected" if violations else "placed",
+            "prompt_tokens": ctx.facts.prompt_tokens, "max_tokens": ctx.facts.max_tokens,
+            "slo": {"ttft_s": slo.ttft_s, "tbt_s": slo.tbt_s}, "early_rejection": self.early_rejection,
+            "store_hit_tokens": ctx.store_blocks * ctx.block_size,
+            "best_holder": {"id": ctx.holder, "hit_tokens": ctx.holder_blocks * ctx.block_size},
+            "prefill": table(PREFILL_COLUMNS, [prefill_row(c, rows.get(c.id, c.local), scores.get(c.id))
+                                               for c in ctx.prefill]),
+            "decode": table(DECODE_COLUMNS, [decode_row(x, decode_scores.get(x.id)) for x in ctx.decode]),
+            "chosen": {"prefill": pc.candidate.id, "decode": d.id},
+            "terms": {"hit_tokens": terms.hit_tokens, "local_hit_tokens": terms.local_hit_tokens,
+                      "transfer_tokens": terms.transfer_tokens, "transfer_from": terms.transfer_from,
+                      "transfer_s": terms.transfer_s, "queue_s": pc.candidate.queue_s, "prefill_s": terms.prefill_s,
+                      "kv_transfer_s": kv_s, "ttft_s": ttft, "tbt_s": d.tbt_s},
+            "why": {"prefill": pc.why, "decode": decode_why, **({"extra": pc.extra} if pc.extra else {})},
+            "replication": replication,
+            "reason": violations[0].reason if violations else None,
+            "violations": [{"reason": v.reason, "message": v.message, "retry_after_s": v.retry_after_s}
+                           for v in violations],
+        }
+

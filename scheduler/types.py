@@ -1,0 +1,96 @@
+"""The plain data a decision reads and returns: instances, request facts, placement, rejection."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from predictors.telemetry import SLO
+
+PREFILL, DECODE, BOTH = "prefill", "decode", "both"
+ROLES = (PREFILL, DECODE, BOTH)
+
+#: Transfer source naming the shared KV store (Mooncake Store) rather than an instance.
+STORE = "store"
+
+# Rejection statuses (HTTP): over SLO, nothing healthy to run on, malformed request, our bug.
+OVER_SLO, UNAVAILABLE, BAD_REQUEST, INTERNAL = 429, 503, 400, 500
+
+
+@dataclass(frozen=True, slots=True)
+class Instance:
+    """One engine the scheduler may place work on. ``both`` prefills and decodes (aggregated)."""
+
+    id: str
+    role: str
+    profile: str = "llama3-8b-h200"
+    healthy: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.id, str) or not self.id or self.id == STORE:
+            raise ValueError(f"instance id must be a non-empty string other than {STORE!r}, got {self.id!r}")
+        if self.role not in ROLES:
+            raise ValueError(f"instance {self.id!r}: role must be one of {ROLES}, got {self.role!r}")
+
+    @property
+    def prefills(self) -> bool:
+        return self.role != DECODE
+
+    @property
+    def decodes(self) -> bool:
+        return self.role != PREFILL
+
+
+@dataclass(slots=True)
+class RequestFacts:
+    """What the gateway knows about a request before placing it (all a policy may read)."""
+
+    request_id: str
+    prompt_tokens: int
+    block_hashes: list[int]  # scheduler.hashing.block_hashes(prompt_token_ids, block_size)
+    max_tokens: int  # expected output tokens
+    slo: SLO | None = None  # per-request override; a None field means "use the configured one"
+
+
+@dataclass(slots=True)
+class Placement:
+    """A (prefill, decode) pair with every predicted term; the ledger holds a reservation for it.
+
+    ``ttft_s = transfer_s + queue_s + prefill_s + kv_transfer_s``: pulling the prefix onto the
+    prefill instance (remote holder, store or its own host memory), waiting for its queue,
+    prefilling the uncached tokens, then shipping the prompt's KV to a separate decode instance.
+    """
+
+    request_id: str
+    prefill: str
+    decode: str
+    hit_tokens: int  # prefix tokens the prefill instance will not recompute (local + pulled)
+    local_hit_tokens: int  # of those, already held by the prefill instance (device or host)
+    transfer_tokens: int  # of those, pulled from another holder or the store
+    transfer_from: str | None  # instance id or "store"; None when nothing is pulled
+    queue_s: float
+    prefill_s: float
+    transfer_s: float
+    ttft_s: float
+    tbt_s: float
+    queue_tokens: int  # ledger state on the prefill instance before this request
+    queue_requests: int
+    decode_running: int  # ledger state on the decode instance before this request
+    decode_kv_tokens: int
+    explanation: dict[str, Any] = field(default_factory=dict)
+    kv_transfer_s: float = 0.0  # prefill -> decode KV shipment (0 on a "both" instance)
+    policy: str = ""
+
+
+@dataclass(slots=True)
+class Rejection:
+    """Why a request was not placed. ``reason`` is machine-readable, ``message`` is for people."""
+
+    request_id: str
+    status: int
+    reason: str
+    message: str
+    retry_after_s: float | None = None
+    explanation: dict[str, Any] = field(default_factory=dict)
+
+
+Decision = Placement | Rejection

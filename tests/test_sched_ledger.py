@@ -1,0 +1,161 @@
+"""Ledger: reservations add up to the load, are released exactly once, and leave nothing behind."""
+import pytest
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
+
+from scheduler.ledger import Ledger, Reservation
+
+INSTANCES = ("p0", "p1", "d0", "both")
+
+
+def res(rid, prefill, decode, tokens=100, secs=0.5, kv=300, now=0.0, decode_s=2.0):
+    return Reservation(rid, prefill, decode, tokens, secs, kv, now, now + secs, now + secs + decode_s)
+
+
+class LedgerMachine(RuleBasedStateMachine):
+    """Any interleaving of reserve / prefill_done / release (complete or abort)."""
+
+    ids = Bundle("ids")
+
+    def __init__(self):
+        super().__init__()
+        self.ledger = Ledger()
+        for i in INSTANCES:
+            self.ledger.add_instance(i, kv_capacity_tokens=10_000, typical_prefill_s=0.1)
+        self.now = 0.0
+        self.live: dict[str, Reservation] = {}
+        self.released: set[str] = set()
+        self.n = 0
+
+    @rule(target=ids, pair=st.sampled_from([("p0", "d0"), ("p1", "d0"), ("p0", "both"), ("both", "both")]),
+          tokens=st.integers(1, 5000), secs=st.floats(0.001, 5.0), kv=st.integers(1, 9000),
+          dt=st.floats(0, 1.0))
+    def reserve(self, pair, tokens, secs, kv, dt):
+        self.now += dt
+        self.n += 1
+        rid = f"r{self.n}"
+        r = res(rid, pair[0], pair[1], tokens, secs, kv, self.now)
+        assert self.ledger.reserve(r, self.now)
+        assert not self.ledger.reserve(res(rid, "p1", "d0"), self.now)  # duplicate id: refused, no change
+        self.live[rid] = r
+        return rid
+
+    @rule(rid=ids, dt=st.floats(0, 1.0))
+    def prefill_done(self, rid, dt):
+        self.now += dt
+        was_pending = rid in self.live and self.live[rid].prefill_pending
+        assert self.ledger.prefill_done(rid, self.now) == was_pending
+        assert not self.ledger.prefill_done(rid, self.now)  # idempotent
+
+    @rule(rid=consumes(ids), dt=st.floats(0, 1.0))
+    def release(self, rid, dt):
+        self.now += dt
+        assert self.ledger.release(rid, self.now) == (rid not in self.released)
+        assert not self.ledger.release(rid, self.now)  # exactly once
+        self.released.add(rid)
+        self.live.pop(rid, None)
+
+    @rule()
+    def unknown_ids_are_ignored(self):
+        assert not self.ledger.release("nope", self.now)
+        assert not self.ledger.prefill_done("nope", self.now)
+
+    @invariant()
+    def counters_equal_the_live_reservations(self):
+        for i in INSTANCES:
+            pending = [r for r in self.live.values() if r.prefill == i and r.prefill_pending]
+            decoding = [r for r in self.live.values() if r.decode == i]
+            t = self.ledger.instance_totals(i)
+            assert t["reserved_prefill_tokens"] == sum(r.prefill_tokens for r in pending)
+            assert t["reserved_prefill_s"] == pytest.approx(sum(r.prefill_s for r in pending), abs=1e-9)
+            assert t["running"] == len(decoding)
+            assert t["kv_tokens"] == sum(r.kv_tokens for r in decoding)
+            touching = {r.request_id for r in pending} | {r.request_id for r in decoding}
+            assert t["active_requests"] == len(touching)
+            assert self.ledger.prefill_state(i, self.now).queued_requests == len(pending)
+
+    def teardown(self):
+        for rid in list(self.live):
+            assert self.ledger.release(rid, self.now)
+        assert self.ledger.is_idle()  # every counter back to exactly zero, no float residue
+
+
+TestLedgerInterleavings = LedgerMachine.TestCase
+TestLedgerInterleavings.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_queue_time_credits_the_head_for_time_already_spent():
+    ledger = Ledger()
+    ledger.add_instance("p")
+    ledger.reserve(res("a", "p", "p", secs=2.0), now=10.0)
+    ledger.reserve(res("b", "p", "p", secs=3.0), now=10.0)
+    assert ledger.prefill_state("p", 10.0).queued_s == pytest.approx(5.0)
+    assert ledger.prefill_state("p", 11.5).queued_s == pytest.approx(3.5)  # a is 1.5 s in
+    assert ledger.prefill_state("p", 20.0).queued_s == pytest.approx(3.0)  # credit stops at a's prediction
+    ledger.prefill_done("a", now=12.0)  # b starts its turn now
+    assert ledger.prefill_state("p", 13.0).queued_s == pytest.approx(2.0)
+    ledger.prefill_done("b", now=14.0)
+    assert ledger.prefill_state("p", 14.0).queued_s == 0.0
+
+
+def test_out_of_order_completion_keeps_the_heads_credit():
+    ledger = Ledger()
+    ledger.add_instance("p")
+    ledger.reserve(res("a", "p", "p", secs=2.0), now=0.0)
+    ledger.reserve(res("b", "p", "p", secs=3.0), now=0.0)
+    ledger.prefill_done("b", now=1.0)  # batched: b finished first
+    assert ledger.prefill_state("p", 1.5).queued_s == pytest.approx(0.5)
+
+
+def test_observed_metrics_raise_the_view_never_lower_it_and_expire():
+    ledger = Ledger(observe_ttl_s=5.0)
+    ledger.add_instance("d", kv_capacity_tokens=1000, typical_prefill_s=0.2)
+    ledger.reserve(res("a", "d", "d", kv=300), now=0.0)
+    assert ledger.observe("d", running=4, waiting=3, kv_usage=0.5, now=0.0)
+    s = ledger.decode_state("d", 1.0)
+    assert (s.running, s.kv_tokens) == (4, 500)
+    assert ledger.prefill_state("d", 0.0).queued_s == pytest.approx(0.5 + 2 * 0.2)  # 2 queued we did not place
+    ledger.observe("d", running=0, waiting=0, kv_usage=0.0, now=2.0)
+    s = ledger.decode_state("d", 2.0)
+    assert (s.running, s.kv_tokens) == (1, 300)  # our own reservation still counts
+    ledger.observe("d", running=9, waiting=0, kv_usage=0.9, now=2.0)
+    assert ledger.decode_state("d", 7.5).running == 1  # observation older than the TTL is ignored
+    assert not ledger.observe("ghost", running=1, waiting=0, kv_usage=0.1, now=0.0)
+    assert not ledger.observe("d", running=-1, waiting=0, kv_usage=0.1, now=0.0)
+    assert not ledger.observe("d", running=1, waiting=0, kv_usage=1.5, now=0.0)
+    assert not ledger.observe("d", running="x", waiting=0, kv_usage=0.1, now=0.0)
+
+
+def test_decode_load_predicted_at_a_future_time():
+    ledger = Ledger()
+    ledger.add_instance("p")
+    ledger.add_instance("d")
+    # a decodes in [1, 3), b in [2, 10), c in [12, 20)
+    for rid, start, end in (("a", 1, 3), ("b", 2, 10), ("c", 12, 20)):
+        ledger.reserve(Reservation(rid, "p", "d", 10, 0.1, 100, 0.0, start, end), now=0.0)
+    assert ledger.decode_state("d", 0.0).running == 3  # reserved view: everyone placed
+    assert ledger.decode_state_at("d", 2.5, now=0.0).running == 2  # a and b decoding
+    assert ledger.decode_state_at("d", 5.0, now=0.0).running == 1  # a has left, c not yet in
+    assert ledger.decode_state_at("d", 15.0, now=0.0).kv_tokens == 100
+    assert [r.request_id for r in ledger.decode_departures("d")] == ["a", "b", "c"]
+
+
+def test_prefill_done_makes_the_decode_start_actual():
+    ledger = Ledger()
+    ledger.add_instance("p")
+    ledger.add_instance("d")
+    ledger.reserve(Reservation("a", "p", "d", 10, 0.1, 100, 0.0, 5.0, 9.0), now=0.0)
+    ledger.prefill_done("a", now=1.0)
+    r = ledger.get("a")
+    assert (r.decode_start_s, r.decode_end_s) == (1.0, 5.0)
+
+
+def test_release_after_the_instance_left_is_still_exactly_once():
+    ledger = Ledger()
+    ledger.add_instance("p")
+    ledger.add_instance("d")
+    ledger.reserve(res("a", "p", "d"), now=0.0)
+    ledger.remove_instance("d")
+    ledger.add_instance("d")  # re-registered: starts empty, the old reservation must not underflow it
+    assert ledger.release("a", now=1.0) and not ledger.release("a", now=1.0)
+    assert ledger.is_idle()
