@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 
 from fastapi import FastAPI, Query
@@ -46,6 +47,8 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
             metrics = GatewayMetrics()
             state.update(cluster=cluster, metrics=metrics,
                          proxy=Proxy(cfg, cluster, metrics, telemetry, _tokenizer(cfg, cluster), tracer))
+            gc.collect()
+            gc.freeze()  # start-up objects leave the collector's view: no full-GC pauses on decisions
             log.info("cluster: %s; ready=%s", ", ".join(f"{e.id}({e.role}) {e.url}" for e in engines), cluster.ready())
             yield
         finally:

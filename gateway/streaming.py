@@ -26,15 +26,18 @@ _USAGE = re.compile(rb'"usage":\s?\{')
 class StreamTally:
     """What the gateway measures of one response as it passes through."""
 
-    __slots__ = ("token_times", "usage", "error", "disconnected")
+    __slots__ = ("token_times", "usage", "error", "disconnected", "done")
 
     def __init__(self) -> None:
         self.token_times: list[float] = []
         self.usage: dict[str, Any] | None = None
         self.error: str | None = None
-        self.disconnected = False
+        self.disconnected = False  # the client left before the stream's end
+        self.done = False  # the terminating [DONE] event was forwarded
 
     def scan_events(self, events: bytes, now: float) -> None:
+        if b"data: [DONE]" in events:
+            self.done = True
         n = len(_CONTENT.findall(events))
         if n:
             self.token_times.extend([now] * n)
@@ -64,8 +67,9 @@ class UpstreamStream(Response):
             while True:
                 msg = await receive()
                 if msg["type"] == "http.disconnect":
-                    tally.disconnected = True
-                    main.cancel()
+                    if not tally.done:  # a client closing after [DONE] got the whole answer
+                        tally.disconnected = True
+                        main.cancel()
                     return
 
         watcher = asyncio.create_task(watch_disconnect())

@@ -207,6 +207,11 @@ class _Step:
                 h = resp.headers
                 rec.prefill_instance = h.get("x-conductor-prefill")
                 rec.decode_instance = h.get("x-conductor-decode")
+                prefill_hits = h.get("x-conductor-prefill-cached-tokens")
+                if prefill_hits is not None and prefill_hits.isdigit():
+                    # disaggregated: the decode engine counts pulled KV as cached; the prefill
+                    # instance's own prefix hits are what the cache saved
+                    rec.extra["prefill_cached_tokens"] = int(prefill_hits)
                 if resp.status != 200:
                     body = await resp.content.read(65536)
                     rec.end_s = self.now()
@@ -260,7 +265,9 @@ class _Step:
         if isinstance(usage.get("prompt_tokens"), int):
             rec.extra["usage_prompt_tokens"] = usage["prompt_tokens"]
         details = usage.get("prompt_tokens_details") or {}
-        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+        if "prefill_cached_tokens" in rec.extra:
+            rec.cached_tokens = rec.extra["prefill_cached_tokens"]
+        elif isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
             rec.cached_tokens = details["cached_tokens"]
 
     async def read_stream(self, resp: aiohttp.ClientResponse, rec: RequestRecord) -> None:

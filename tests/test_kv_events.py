@@ -3,7 +3,9 @@ sequence gap, rebuild on restart and when replay cannot cover the gap."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from types import SimpleNamespace
 
 import pytest
 import zmq
@@ -69,6 +71,31 @@ def run_case(coro):
     return asyncio.run(asyncio.wait_for(coro, 30))
 
 
+@contextlib.asynccontextmanager
+async def wired(ep: str, rep: str, *, subscribe: bool = True, **pub_kw):
+    """A hit index fed by a subscriber on (ep, rep) and a sim-engine publisher; torn down after."""
+    env = SimpleNamespace(index=HitIndex(BS), ctx=zmq.asyncio.Context(), sub=None, task=None,
+                          pub=KVEventPublisher(ep, rep, **pub_kw))
+    env.index.register("e")
+
+    def start_subscriber() -> None:
+        env.sub = KVEventSubscriber(env.ctx, "e", ep, env.index, replay_endpoint=rep)
+        env.task = asyncio.create_task(env.sub.run())
+
+    env.start_subscriber = start_subscriber
+    if subscribe:
+        start_subscriber()
+    env.pub.start()
+    try:
+        yield env
+    finally:
+        if env.task is not None:
+            env.task.cancel()
+            await asyncio.gather(env.task, return_exceptions=True)
+        env.pub.close()
+        env.ctx.term()
+
+
 def test_bind_connect_rule_mirrors_vllm():
     assert publisher_binds("tcp://*:5557") and publisher_binds("ipc:///tmp/x") and publisher_binds("tcp://[::]:5557")
     assert not publisher_binds("tcp://127.0.0.1:5557")
@@ -76,62 +103,34 @@ def test_bind_connect_rule_mirrors_vllm():
 
 
 def test_late_joiner_replays_history_then_follows_live(endpoints):
-    ep, rep = endpoints
-
     async def case():
-        index = HitIndex(BS)
-        index.register("e")
-        pub = KVEventPublisher(ep, rep)
-        pub.start()
-        batches = chain(5, salt=1)
-        for _, ev in batches[:3]:  # published before anyone listens: lost on the PUB socket
-            pub.publish(time.time(), [ev])
-        await until(lambda: pub.published == 3)
-        ctx = zmq.asyncio.Context()
-        sub = KVEventSubscriber(ctx, "e", ep, index, replay_endpoint=rep)
-        task = asyncio.create_task(sub.run())
-        try:
-            await until(lambda: held_blocks(index, batches[2][0]) == 3)
-            assert sub.stats.replays >= 1
-            # live events after the join; until the engine's reconnect carries our subscription they
-            # are dropped, and the next batch that does arrive reveals the gap (empty batches here)
+        async with wired(*endpoints, subscribe=False) as env:
+            batches = chain(5, salt=1)
+            for _, ev in batches[:3]:  # published before anyone listens: lost on the PUB socket
+                env.pub.publish(time.time(), [ev])
+            await until(lambda: env.pub.published == 3)
+            env.start_subscriber()
+            await until(lambda: held_blocks(env.index, batches[2][0]) == 3)
+            assert env.sub.stats.replays >= 1
             for _, ev in batches[3:]:
-                pub.publish(time.time(), [ev])
-            await nudge_until(pub, lambda: held_blocks(index, batches[4][0]) == 5)
-        finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            pub.close()
-            ctx.term()
+                env.pub.publish(time.time(), [ev])
+            await nudge_until(env.pub, lambda: held_blocks(env.index, batches[4][0]) == 5)
 
     run_case(case())
 
 
 def test_gap_is_filled_by_replay(endpoints):
-    ep, rep = endpoints
-
     async def case():
-        index = HitIndex(BS)
-        index.register("e")
-        pub = KVEventPublisher(ep, rep, hwm=2)  # tiny pipe: a burst the subscriber does not read is dropped
-        pub.start()
-        ctx = zmq.asyncio.Context()
-        sub = KVEventSubscriber(ctx, "e", ep, index, replay_endpoint=rep)
-        task = asyncio.create_task(sub.run())
-        batches = chain(60, salt=2)
-        try:
-            pub.publish(time.time(), [batches[0][1]])
-            await nudge_until(pub, lambda: held_blocks(index, batches[0][0]) == 1)
+        # tiny pipe: a burst the subscriber does not read is dropped
+        async with wired(*endpoints, hwm=2) as env:
+            batches = chain(60, salt=2)
+            env.pub.publish(time.time(), [batches[0][1]])
+            await nudge_until(env.pub, lambda: held_blocks(env.index, batches[0][0]) == 1)
             for _, ev in batches[1:]:
-                pub.publish(time.time(), [ev])
+                env.pub.publish(time.time(), [ev])
             time.sleep(0.3)  # block the loop on purpose so the burst overflows the SUB pipe
-            await nudge_until(pub, lambda: held_blocks(index, batches[-1][0]) == 60)
-            assert sub.stats.gaps >= 1 and sub.stats.rebuilds == 0
-        finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            pub.close()
-            ctx.term()
+            await nudge_until(env.pub, lambda: held_blocks(env.index, batches[-1][0]) == 60)
+            assert env.sub.stats.gaps >= 1 and env.sub.stats.rebuilds == 0
 
     run_case(case())
 
@@ -140,97 +139,56 @@ def test_restart_rebuilds_from_the_new_incarnation(endpoints):
     ep, rep = endpoints
 
     async def case():
-        index = HitIndex(BS)
-        index.register("e")
-        ctx = zmq.asyncio.Context()
-        sub = KVEventSubscriber(ctx, "e", ep, index, replay_endpoint=rep)
-        task = asyncio.create_task(sub.run())
-        old = chain(3, salt=3)
-        pub = KVEventPublisher(ep, rep)
-        pub.start()
-        try:
+        async with wired(ep, rep) as env:
+            old = chain(3, salt=3)
             for _, ev in old:
-                pub.publish(time.time(), [ev])
-            await nudge_until(pub, lambda: held_blocks(index, old[-1][0]) == 3)
+                env.pub.publish(time.time(), [ev])
+            await nudge_until(env.pub, lambda: held_blocks(env.index, old[-1][0]) == 3)
             for _ in range(30):  # the old engine's sequence runs well ahead of the new one's
-                pub.publish(time.time(), [])
-            await nudge_until(pub, lambda: sub.stats.last_seq >= 32)
-            pub.close()
+                env.pub.publish(time.time(), [])
+            await nudge_until(env.pub, lambda: env.sub.stats.last_seq >= 32)
+            env.pub.close()
             # the engine restarts: its sequence begins at 0 again and its cache is empty
             for _ in range(100):  # the old sockets' ports are released asynchronously
-                pub = KVEventPublisher(ep, rep)
+                env.pub = KVEventPublisher(ep, rep)
                 try:
-                    pub.start()
+                    env.pub.start()
                     break
                 except RuntimeError:
                     await asyncio.sleep(0.05)
             new = chain(2, salt=4)
-            pub.publish(time.time(), [new[0][1]])
-            await nudge_until(pub, lambda: held_blocks(index, new[0][0]) == 1)
-            assert held_blocks(index, old[-1][0]) == 0 and sub.stats.rebuilds == 1
-        finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            pub.close()
-            ctx.term()
+            env.pub.publish(time.time(), [new[0][1]])
+            await nudge_until(env.pub, lambda: held_blocks(env.index, new[0][0]) == 1)
+            assert held_blocks(env.index, old[-1][0]) == 0 and env.sub.stats.rebuilds == 1
 
     run_case(case())
 
 
 def test_gap_beyond_the_replay_buffer_rebuilds(endpoints):
-    ep, rep = endpoints
-
     async def case():
-        index = HitIndex(BS)
-        index.register("e")
-        ctx = zmq.asyncio.Context()
-        sub = KVEventSubscriber(ctx, "e", ep, index, replay_endpoint=rep)
-        task = asyncio.create_task(sub.run())
-        pub = KVEventPublisher(ep, rep, buffer_steps=2, hwm=2)
-        pub.start()
-        first = chain(1, salt=5)[0]
-        try:
-            pub.publish(time.time(), [first[1]])
-            await nudge_until(pub, lambda: held_blocks(index, first[0]) == 1)
-            later = chain(40, salt=6)
-            for _, ev in later:
-                pub.publish(time.time(), [ev])
+        async with wired(*endpoints, buffer_steps=2, hwm=2) as env:
+            first = chain(1, salt=5)[0]
+            env.pub.publish(time.time(), [first[1]])
+            await nudge_until(env.pub, lambda: held_blocks(env.index, first[0]) == 1)
+            for _, ev in chain(40, salt=6):
+                env.pub.publish(time.time(), [ev])
             time.sleep(0.3)  # overflow the pipe; a 2-batch replay buffer cannot cover the gap
-            await nudge_until(pub, lambda: sub.stats.rebuilds >= 1)
+            await nudge_until(env.pub, lambda: env.sub.stats.rebuilds >= 1)
             # the rebuilt instance holds nothing from before the gap: no stale state survives
-            assert held_blocks(index, first[0]) == 0
-        finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            pub.close()
-            ctx.term()
+            assert held_blocks(env.index, first[0]) == 0
 
     run_case(case())
 
 
 def test_resync_drops_and_rebuilds_from_replay(endpoints):
-    ep, rep = endpoints
-
     async def case():
-        index = HitIndex(BS)
-        index.register("e")
-        ctx = zmq.asyncio.Context()
-        sub = KVEventSubscriber(ctx, "e", ep, index, replay_endpoint=rep)
-        task = asyncio.create_task(sub.run())
-        pub = KVEventPublisher(ep, rep)
-        pub.start()
-        batches = chain(4, salt=7)
-        try:
+        async with wired(*endpoints) as env:
+            batches = chain(4, salt=7)
             for _, ev in batches:
-                pub.publish(time.time(), [ev])
-            await nudge_until(pub, lambda: held_blocks(index, batches[-1][0]) == 4)
-            index.drop_instance("e")  # pretend the index lost track; resync must restore it
-            sub.resync()
-            await until(lambda: sub.stats.rebuilds == 1 and held_blocks(index, batches[-1][0]) == 4)
-        finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            pub.close()
-            ctx.term()
+                env.pub.publish(time.time(), [ev])
+            await nudge_until(env.pub, lambda: held_blocks(env.index, batches[-1][0]) == 4)
+            env.index.drop_instance("e")  # pretend the index lost track; resync must restore it
+            env.sub.resync()
+            await until(lambda: env.sub.stats.rebuilds == 1 and held_blocks(env.index, batches[-1][0]) == 4)
 
     run_case(case())

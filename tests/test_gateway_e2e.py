@@ -1,0 +1,213 @@
+"""`conductor serve` end to end, with the official openai SDK as the client."""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import threading
+
+import openai
+import pytest
+import requests
+
+from tests.servers import gateway, sim_engine, stop
+
+EMBEDDED = "[embedded]\nprefill = 2\ndecode = 2\n"
+
+
+@pytest.fixture(scope="module")
+def gw():
+    with gateway(EMBEDDED) as g:
+        g["model"] = requests.get(g["url"] + "/v1/models").json()["data"][0]["id"]
+        yield g
+
+
+def client(gw) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gw["url"] + "/v1", api_key="none", max_retries=0)
+
+
+def test_sync_chat_and_completions(gw):
+    c = client(gw)
+    r = c.chat.completions.create(model=gw["model"], messages=[{"role": "user", "content": "hello"}], max_tokens=5,
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].message.content and r.usage.completion_tokens == 5
+    r = c.completions.create(model=gw["model"], prompt="once upon a time", max_tokens=4, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 4 and r.usage.prompt_tokens == len("once upon a time")
+
+
+def test_sync_streaming_with_usage_and_headers(gw):
+    c = client(gw)
+    raw = c.chat.completions.with_raw_response.create(
+        model=gw["model"], messages=[{"role": "user", "content": "stream please"}], max_tokens=8, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        extra_headers={"X-Request-Id": "req-abc"})
+    assert raw.headers["x-conductor-prefill"].startswith("prefill-")
+    assert raw.headers["x-conductor-decode"].startswith("decode-")
+    assert raw.headers["x-request-id"] == "req-abc"
+    chunks = list(raw.parse())
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text and chunks[-1].usage.completion_tokens == 8
+
+
+def test_async_streaming(gw):
+    async def go():
+        c = openai.AsyncOpenAI(base_url=gw["url"] + "/v1", api_key="none", max_retries=0)
+        streams = [await c.chat.completions.create(model=gw["model"], messages=[{"role": "user", "content": f"q{i}"}],
+                                                   max_tokens=6, stream=True, extra_body={"ignore_eos": True})
+                   for i in range(4)]
+
+        async def drain(s):
+            return len([ch async for ch in s if ch.choices and ch.choices[0].delta.content])
+
+        counts = await asyncio.gather(*(drain(s) for s in streams))
+        await c.close()
+        return counts
+
+    counts = asyncio.run(go())
+    assert all(n >= 1 for n in counts) and len(counts) == 4
+
+
+def test_shared_prefix_lands_on_holder_and_reports_cached_tokens(gw):
+    c = client(gw)
+    prefix = "".join(random.Random(7).choice("abcdefghij ") for _ in range(6000))
+    first = c.chat.completions.with_raw_response.create(
+        model=gw["model"], messages=[{"role": "user", "content": prefix + " first question"}], max_tokens=2)
+    holder = first.headers["x-conductor-prefill"]
+    # the holder's KV events reach the index asynchronously: wait on the observable condition
+    for _ in range(100):
+        view = requests.get(gw["url"] + "/admin/cluster").json()
+        inst = {i["id"]: i for i in view["instances"]}
+        if inst[holder]["cached_blocks"]["device"] >= 6000 // 16:
+            break
+        threading.Event().wait(0.05)
+    second = c.chat.completions.with_raw_response.create(
+        model=gw["model"], messages=[{"role": "user", "content": prefix + " second question"}], max_tokens=2)
+    assert second.headers["x-conductor-prefill"] == holder
+    # the scheduler predicted the hit, and the prefill engine reported it from its own cache
+    assert int(second.headers["x-conductor-hit-tokens"]) >= 6000 - 32
+    assert int(second.headers["x-conductor-prefill-cached-tokens"]) >= 6000 - 32
+    assert int(first.headers["x-conductor-prefill-cached-tokens"]) < 100
+    assert second.parse().usage.prompt_tokens_details.cached_tokens >= 6000 - 32
+
+
+def test_tight_ttft_slo_gets_429_with_retry_after(gw):
+    body = {"model": gw["model"], "messages": [{"role": "user", "content": "z" * 30000}], "max_tokens": 4}
+    r = requests.post(gw["url"] + "/v1/chat/completions", json=body, headers={"x-slo-ttft-ms": "1"})
+    assert r.status_code == 429
+    assert int(r.headers["retry-after"]) >= 1
+    assert r.headers["x-conductor-reject-reason"]
+    assert r.json()["error"]["type"] == "rate_limit_error"
+
+
+@pytest.mark.parametrize("send, status, field", [
+    (dict(data=b"{oops"), 400, None),
+    (dict(json={"model": "m"}), 400, "messages"),
+    (dict(json={"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]}), 404, "model"),
+    (dict(json={"messages": [{"role": "user", "content": "x"}]}), 400, "model"),
+    (dict(json={"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "max_tokens": -1}), 400, "max_tokens"),
+    (dict(data=b"{" + b" " * (9 * 1024 * 1024) + b"}"), 413, None),
+])
+def test_bad_inputs_get_openai_errors(gw, send, status, field):
+    if "json" in send and send["json"].get("model") == "MODEL":
+        send = dict(json={**send["json"], "model": gw["model"]})
+    r = requests.post(gw["url"] + "/v1/chat/completions", headers={"content-type": "application/json"}, **send)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"]
+    if field:
+        assert err["param"] == field
+
+
+def test_unknown_route_is_json_404(gw):
+    r = requests.get(gw["url"] + "/v2/nothing")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+
+
+def test_metrics_and_decisions(gw):
+    text = requests.get(gw["url"] + "/metrics").text
+    assert "conductor_requests_total" in text and "conductor_time_to_first_token_seconds_bucket" in text
+    d = requests.get(gw["url"] + "/admin/decisions", params={"limit": 3}).json()["decisions"]
+    assert 1 <= len(d) <= 3
+    assert requests.get(gw["url"] + "/admin/decisions", params={"limit": 0}).status_code == 400
+
+
+def _stream_and_maybe_drop(url: str, model: str, i: int, drop: bool) -> str:
+    body = {"model": model, "messages": [{"role": "user", "content": f"load {i} " + "y" * (i % 7 * 100)}],
+            "max_tokens": 24, "ignore_eos": True, "stream": True}
+    try:
+        with requests.post(url + "/v1/chat/completions", json=body, stream=True, timeout=60) as r:
+            if r.status_code != 200:
+                return f"status {r.status_code}"
+            for n, _ in enumerate(r.iter_lines()):
+                if drop and n == 3:
+                    return "dropped"  # closing the response mid-stream = client disconnect
+            return "ok"
+    except requests.RequestException as e:
+        return f"exc {e.__class__.__name__}"
+
+
+def test_no_reservation_leaks_after_disconnects_and_an_engine_killed():
+    with sim_engine("prefill") as p1, sim_engine("prefill") as p2, sim_engine("decode") as d1, sim_engine("decode") as d2:
+        cfg = ['policy = "conductor"', "health_interval_s = 0.2", "[slo]", "ttft_ms = 600000", "tbt_ms = 600000"]
+        for name, e, role in (("p1", p1, "prefill"), ("p2", p2, "prefill"), ("d1", d1, "decode"), ("d2", d2, "decode")):
+            cfg += ["[[engines]]", f'id = "{name}"', f'role = "{role}"', 'kind = "sim"', f'url = "{e["url"]}"',
+                    f'kv_events = "{e["kv"]}"', f'kv_events_replay = "{e["replay"]}"']
+        with gateway("\n".join(cfg) + "\n") as g:
+            model = requests.get(g["url"] + "/v1/models").json()["data"][0]["id"]
+            rng = random.Random(3)
+            results: list[str] = []
+            lock = threading.Lock()
+            jobs = [(i, rng.random() < 0.3) for i in range(240)]
+
+            def worker():
+                while True:
+                    with lock:
+                        if not jobs:
+                            return
+                        i, drop = jobs.pop()
+                        if len(jobs) == 120:  # halfway: kill a decode engine under load
+                            stop(d2["proc"])
+                    out = _stream_and_maybe_drop(g["url"], model, i, drop)
+                    with lock:
+                        results.append(out)
+
+            threads = [threading.Thread(target=worker) for _ in range(16)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=180)
+            assert len(results) == 240
+            assert results.count("ok") > 100  # the survivors kept serving
+            # disconnects reach the gateway asynchronously: wait (bounded) for the ledger to drain
+            for _ in range(200):
+                view = requests.get(g["url"] + "/admin/cluster").json()
+                if all(i["reserved_prefill_tokens"] == 0 and i["active_requests"] == 0 for i in view["instances"]):
+                    break
+                threading.Event().wait(0.05)
+            for inst in view["instances"]:
+                assert inst["reserved_prefill_tokens"] == 0, inst
+                assert inst["active_requests"] == 0, inst
+            # the killed engine is ejected and traffic still flows
+            assert not {i["id"]: i for i in view["instances"]}["d2"]["healthy"]
+            after = _stream_and_maybe_drop(g["url"], model, 999, False)
+            assert after == "ok"
+
+
+def test_dead_engine_before_first_byte_is_retried_on_another_pair_then_ejected():
+    with sim_engine("prefill") as p1, sim_engine("decode") as d1, sim_engine("decode") as d2:
+        cfg = ['policy = "round_robin"', "health_interval_s = 60", "eject_after_failures = 2",
+               "[slo]", "ttft_ms = 600000", "tbt_ms = 600000"]
+        for name, e, role in (("p1", p1, "prefill"), ("d1", d1, "decode"), ("d2", d2, "decode")):
+            cfg += ["[[engines]]", f'id = "{name}"', f'role = "{role}"', 'kind = "sim"', f'url = "{e["url"]}"']
+        with gateway("\n".join(cfg) + "\n") as g:
+            model = requests.get(g["url"] + "/v1/models").json()["data"][0]["id"]
+            stop(d2["proc"])  # dead, but the (slow) health check has not noticed
+            body = {"model": model, "messages": [{"role": "user", "content": "retry me"}], "max_tokens": 3}
+            answers = [requests.post(g["url"] + "/v1/chat/completions", json=body, timeout=30) for _ in range(6)]
+            assert [a.status_code for a in answers] == [200] * 6
+            assert {a.headers["x-conductor-decode"] for a in answers} == {"d1"}
+            view = {i["id"]: i for i in requests.get(g["url"] + "/admin/cluster").json()["instances"]}
+            assert not view["d2"]["healthy"]  # two failed connections ejected it
+            stop(d1["proc"])  # no decode left: 503, not a hang
+            r = requests.post(g["url"] + "/v1/chat/completions", json=body, timeout=30)
+            assert r.status_code == 503 and r.json()["error"]["code"]
