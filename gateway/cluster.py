@@ -17,13 +17,20 @@ from scheduler import Instance, Scheduler
 log = logging.getLogger(__name__)
 
 
+def build_scheduler(cfg: GatewayConfig, engines: list[EngineConfig]) -> Scheduler:
+    """The scheduler for these engines; a bad policy, parameter or profile raises ValueError."""
+    params = dict(cfg.policy_params)
+    if cfg.policy == "conductor":
+        params.setdefault("peer_pull", cfg.peer_kv_pull)
+    return Scheduler([Instance(e.id, e.role, profile=e.profile, healthy=False) for e in engines],
+                     policy=cfg.policy, slo=cfg.slo, block_size=cfg.block_size, clock=time.monotonic,
+                     early_rejection=cfg.early_rejection, keep_decisions=cfg.keep_decisions, **params)
+
+
 class Cluster:
     def __init__(self, cfg: GatewayConfig, engines: list[EngineConfig]):
         self.cfg, self.engines = cfg, {e.id: e for e in engines}
-        self.scheduler = Scheduler(
-            [Instance(e.id, e.role, profile=e.profile, healthy=False) for e in engines],
-            policy=cfg.policy, slo=cfg.slo, block_size=cfg.block_size, clock=time.monotonic,
-            early_rejection=cfg.early_rejection, keep_decisions=cfg.keep_decisions, **cfg.policy_params)
+        self.scheduler = build_scheduler(cfg, engines)
         self.session: aiohttp.ClientSession | None = None
         self.clients: dict[str, EngineClient] = {}
         self.subscribers: dict[str, KVEventSubscriber] = {}

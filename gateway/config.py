@@ -60,6 +60,9 @@ class GatewayConfig:
     otel_exporter: str = "none"  # none | console | otlp
     otel_endpoint: str | None = None
     early_rejection: bool = False
+    # vLLM's two-step PD (and the sim engine) cannot fetch a prefix from another prefill instance:
+    # only the shared store is a pull source unless the engines can (conductor policy only)
+    peer_kv_pull: bool = False
     keep_decisions: int = 1000
     policy_params: dict[str, Any] = field(default_factory=dict)
 

@@ -20,6 +20,12 @@ def main(argv: list[str]) -> int:
         cfg = load_config(args.config)
     except ConfigError as e:
         raise CLIError(str(e)) from None
+    try:  # policy, its parameters and the engines' profiles: fail here, not at start-up
+        from gateway.cluster import build_scheduler
+
+        build_scheduler(cfg, cfg.engines)
+    except (ValueError, KeyError) as e:
+        raise CLIError(f"bad configuration: {e.args[0] if e.args else e}") from None
     cfg.host = args.host or cfg.host
     cfg.port = cfg.port if args.port is None else args.port
     _check_bindable(cfg.host, cfg.port)

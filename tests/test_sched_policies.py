@@ -82,6 +82,20 @@ def test_conductor_moves_the_work_off_an_overloaded_holder_and_replicates_the_pr
     assert d.transfer_s < recompute - d.prefill_s
 
 
+def test_conductor_without_peer_pull_only_pulls_from_the_store():
+    """Engines that cannot fetch a prefix from another prefill instance (vLLM two-step PD with
+    no shared store): the overloaded holder's prefix is not a source, the store still is."""
+    sched, _ = cluster(peer_pull=False)
+    doc = toks(1, 6000)
+    hold(sched, "p1", doc)
+    busy(sched, "p1", seconds=5.0)
+    d = sched.decide(facts("r", doc + toks(2, 300)))
+    assert d.prefill in ("p0", "p2") and d.transfer_from is None and d.hit_tokens == 0
+    hold(sched, "p1", doc[:4000], medium="EXTERNAL")
+    d = sched.decide(facts("r2", doc + toks(3, 300)))
+    assert d.transfer_from in ("store", None) and d.transfer_from != "p1"
+
+
 def test_conductor_recomputes_when_the_network_is_slower_than_the_prefill_it_would_save():
     book = ProfileBook()
     fast = analytic_predictors(book)

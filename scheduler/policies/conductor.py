@@ -14,14 +14,16 @@ from __future__ import annotations
 
 from scheduler.cost import DecisionContext, PrefillCandidate, Terms
 from scheduler.policies.base import DecodeChoice, Policy, PrefillChoice, argmin, runner_up
-from scheduler.types import BOTH, PREFILL
+from scheduler.types import BOTH, PREFILL, STORE
 
 
 class ConductorPolicy(Policy):
     name = "conductor"
     source = "Mooncake FAST'25 Algorithm 1 (KVCache-centric scheduling); direct pull rule from its text"
     score_name = "ttft_s"
-    defaults = {"pull_rule": "direct", "balancing_threshold": 2.0}
+    # peer_pull=False: only the shared store is a source to pull from (engines that cannot fetch a
+    # prefix from another prefill instance, e.g. vLLM's two-step PD without a shared KV store)
+    defaults = {"pull_rule": "direct", "balancing_threshold": 2.0, "peer_pull": True}
 
     def __init__(self, **params):
         super().__init__(**params)
@@ -37,6 +39,8 @@ class ConductorPolicy(Policy):
 
     def choose_prefill(self, ctx: DecisionContext) -> PrefillChoice:
         holder, best_blocks = ctx.holder, ctx.holder_blocks
+        if holder not in (None, STORE) and not self.params["peer_pull"]:
+            holder, best_blocks = (STORE, ctx.store_blocks) if ctx.store_blocks else (None, 0)
         book = ctx.terms
         rows: dict[str, Terms] = {}
         chosen: dict[tuple, Terms] = {}  # the way to serve depends only on (group, prefix facts)
@@ -59,7 +63,7 @@ class ConductorPolicy(Policy):
         if t.transfer_from is not None and t.transfer_tokens:
             why += f"; pulls {t.transfer_tokens} tokens from {t.transfer_from} (replicates the prefix)"
         extra = {"best_holder": holder, "best_hit_tokens": best_blocks * ctx.block_size,
-                 "pull_rule": self.params["pull_rule"]}
+                 "pull_rule": self.params["pull_rule"], "peer_pull": self.params["peer_pull"]}
         return PrefillChoice(winner, t, scores, why, rows, extra)
 
     @staticmethod

@@ -1,0 +1,51 @@
+"""`conductor` and `conductor serve` as a user meets them: help, and one-line errors with exit 2."""
+import subprocess
+import sys
+
+import pytest
+
+from gateway.embedded import free_port
+from tests.servers import ROOT
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gateway.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_help_lists_every_command():
+    r = run("--help")
+    assert r.returncode == 0
+    for cmd in ("serve", "sim-engine", "loadgen", "simulate", "calibrate"):
+        assert cmd in r.stdout
+    assert run("serve", "--help").returncode == 0
+
+
+@pytest.mark.parametrize("config, words", [
+    ('policy = "nope"\n', "unknown policy"),
+    ('policy = "round_robin"\n[policy_params]\nfoo = 1\n', "no parameter"),
+    ('[[engines]]\nid = "a"\nrole = "both"\nurl = "http://127.0.0.1:1"\nprofile = "gpt5"\n', "unknown profile"),
+    ("port = = 1\n", "not valid TOML"),
+])
+def test_bad_config_is_one_line_and_exit_2(tmp_path, config, words):
+    path = tmp_path / "c.toml"
+    path.write_text(config)
+    r = run("serve", "--config", str(path))
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1 and words in r.stderr and "Traceback" not in r.stderr
+
+
+def test_port_in_use_is_one_line(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        port = free_port()
+        s.bind(("127.0.0.1", port))
+        s.listen()
+        r = run("serve", "--port", str(port))
+    assert r.returncode == 2 and "cannot bind" in r.stderr and r.stderr.count("\n") == 1
+
+
+def test_unbuilt_commands_say_so():
+    r = run("simulate")
+    assert r.returncode == 2 and "not built yet" in r.stderr
