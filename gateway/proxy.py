@@ -37,11 +37,18 @@ class Proxy:
         self.telemetry, self.tokenizer, self.tracer = telemetry, tokenizer, tracer
         self.sched = cluster.scheduler
         self._wall_offset_ns = time.time_ns() - time.monotonic_ns()
+        self._live: set[str] = set()  # request ids between arrival and finish
 
     async def handle(self, request: Request, endpoint: str) -> Response:
         arrival = time.monotonic()
-        rid = request.headers.get("x-request-id") or f"cmpl-{uuid.uuid4().hex}"
+        client_rid = request.headers.get("x-request-id")
+        rid = client_rid or f"cmpl-{uuid.uuid4().hex}"
+        if rid in self._live:  # a client reusing an id must not collide in the ledger or an engine
+            rid = f"{rid}.{uuid.uuid4().hex[:8]}"
+        self._live.add(rid)
         rec = RequestRecord(rid, arrival_s=arrival)
+        if client_rid is not None:
+            rec.extra["client_request_id"] = client_rid
         span = self.tracer.start_span("conductor.request", start_time=self._ns(arrival),
                                       attributes={"conductor.request_id": rid, "conductor.endpoint": endpoint})
         try:
@@ -99,7 +106,7 @@ class Proxy:
                 self._release(rec)
                 self._finish(rec, "aborted", 499, span)
                 raise
-            headers = {"x-request-id": rec.request_id, "x-conductor-prefill": d.prefill, "x-conductor-decode": d.decode,
+            headers = {"x-request-id": self._echo_id(rec), "x-conductor-prefill": d.prefill, "x-conductor-decode": d.decode,
                        "x-conductor-hit-tokens": str(d.hit_tokens)}
             if rec.cached_tokens is not None:  # what the prefill instance itself found in its cache
                 headers["x-conductor-prefill-cached-tokens"] = str(rec.cached_tokens)
@@ -177,7 +184,7 @@ class Proxy:
 
     def _reject(self, d: Rejection, rec: RequestRecord, span) -> Response:
         rec.reject_reason, rec.retry_after_s = d.reason, d.retry_after_s
-        headers = {"x-conductor-reject-reason": d.reason, "x-request-id": rec.request_id}
+        headers = {"x-conductor-reject-reason": d.reason, "x-request-id": self._echo_id(rec)}
         if d.retry_after_s is not None:
             headers["retry-after"] = str(max(1, int(-(-d.retry_after_s // 1))))
         self._finish(rec, "rejected" if d.status == 429 else "error", d.status, span, error=d.reason)
@@ -188,10 +195,10 @@ class Proxy:
             # the engine refused the request itself (e.g. too long for its context): pass its answer on
             self._finish(rec, "error", e.status, span, error="engine_refused")
             return Response(e.body, status_code=e.status, media_type="application/json",
-                            headers={"x-request-id": rec.request_id})
+                            headers={"x-request-id": self._echo_id(rec)})
         status, code = (504, "upstream_timeout") if isinstance(e, UpstreamTimeout) else (503, "upstream_unavailable")
         self._finish(rec, "timeout" if status == 504 else "error", status, span, error=code)
-        return error_response(status, str(e), code, headers={"x-request-id": rec.request_id})
+        return error_response(status, str(e), code, headers={"x-request-id": self._echo_id(rec)})
 
     def _complete(self, rec: RequestRecord, tally: StreamTally, span) -> None:
         rec.token_times = tally.token_times
@@ -212,6 +219,7 @@ class Proxy:
 
     def _finish(self, rec: RequestRecord, status: str, http_status: int, span, error: str | None = None) -> None:
         rec.status, rec.http_status, rec.error = status, http_status, error
+        self._live.discard(rec.request_id)
         rec.end_s = time.monotonic()
         self.metrics.observe(rec)
         self.telemetry.write(rec)
@@ -219,6 +227,10 @@ class Proxy:
             span.set_attribute("conductor.actual_ttft_s", rec.ttft_s)
         span.set_attributes({"conductor.status": status, "http.status_code": http_status})
         span.end(end_time=self._ns(rec.end_s))
+
+    @staticmethod
+    def _echo_id(rec: RequestRecord) -> str:
+        return rec.extra.get("client_request_id", rec.request_id)
 
     def _ns(self, t: float) -> int:
         return int(t * 1e9) + self._wall_offset_ns

@@ -211,3 +211,43 @@ def test_dead_engine_before_first_byte_is_retried_on_another_pair_then_ejected()
             stop(d1["proc"])  # no decode left: 503, not a hang
             r = requests.post(g["url"] + "/v1/chat/completions", json=body, timeout=30)
             assert r.status_code == 503 and r.json()["error"]["code"]
+
+
+def test_engine_dying_mid_stream_ends_the_stream_with_an_sse_error():
+    with sim_engine("prefill") as p1, sim_engine("decode") as d1:
+        cfg = ["health_interval_s = 60", "[slo]", "ttft_ms = 600000", "tbt_ms = 600000"]
+        for name, e, role in (("p1", p1, "prefill"), ("d1", d1, "decode")):
+            cfg += ["[[engines]]", f'id = "{name}"', f'role = "{role}"', 'kind = "sim"', f'url = "{e["url"]}"']
+        with gateway("\n".join(cfg) + "\n") as g:
+            model = requests.get(g["url"] + "/v1/models").json()["data"][0]["id"]
+            body = {"model": model, "messages": [{"role": "user", "content": "long answer"}], "max_tokens": 5000,
+                    "ignore_eos": True, "stream": True}
+            events = []
+            with requests.post(g["url"] + "/v1/chat/completions", json=body, stream=True, timeout=60) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if not line:
+                        continue
+                    events.append(line)
+                    if len(events) == 5:
+                        stop(d1["proc"])  # the decode engine dies under our stream
+            assert len(events) < 5000
+            err = json.loads(events[-2][len(b"data: "):])["error"]
+            assert err["code"] == "upstream_failed" and events[-1] == b"data: [DONE]"
+            view = requests.get(g["url"] + "/admin/cluster").json()
+            assert all(i["active_requests"] == 0 for i in view["instances"])
+
+
+def test_concurrent_requests_reusing_one_request_id_all_succeed(gw):
+    import concurrent.futures
+
+    body = {"model": gw["model"], "messages": [{"role": "user", "content": "same id"}], "max_tokens": 8,
+            "ignore_eos": True}
+
+    def send(_):
+        return requests.post(gw["url"] + "/v1/chat/completions", json=body, headers={"X-Request-Id": "dup"}, timeout=60)
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(send, range(6)))
+    assert [a.status_code for a in answers] == [200] * 6
+    assert {a.headers["x-request-id"] for a in answers} == {"dup"}
