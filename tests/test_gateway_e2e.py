@@ -251,3 +251,29 @@ def test_concurrent_requests_reusing_one_request_id_all_succeed(gw):
         answers = list(pool.map(send, range(6)))
     assert [a.status_code for a in answers] == [200] * 6
     assert {a.headers["x-request-id"] for a in answers} == {"dup"}
+
+
+def test_ejected_engine_is_readmitted_when_it_comes_back():
+    from gateway.embedded import free_port
+    from tests.servers import conductor, wait_until
+
+    port, kv, replay = free_port(), free_port(), free_port()
+    args = ("sim-engine", "--role", "both", "--port", str(port), "--kv-events", f"tcp://127.0.0.1:{kv}",
+            "--kv-events-replay", f"tcp://127.0.0.1:{replay}")
+    engine = conductor(*args)
+    try:
+        wait_until(f"http://127.0.0.1:{port}/health", engine)
+        cfg = ["health_interval_s = 0.1", "eject_after_failures = 2", "[[engines]]", 'id = "b"', 'role = "both"',
+               f'url = "http://127.0.0.1:{port}"', f'kv_events = "tcp://127.0.0.1:{kv}"',
+               f'kv_events_replay = "tcp://127.0.0.1:{replay}"']
+        with gateway("\n".join(cfg) + "\n") as g:
+            stop(engine)
+            wait_until(g["url"] + "/ready", g["proc"], status=503, timeout_s=20)  # ejected: no pair left
+            engine = conductor(*args)  # the engine restarts on the same address
+            wait_until(g["url"] + "/ready", g["proc"], timeout_s=30)  # readmitted
+            model = requests.get(g["url"] + "/v1/models").json()["data"][0]["id"]
+            r = requests.post(g["url"] + "/v1/chat/completions", timeout=30, json={
+                "model": model, "messages": [{"role": "user", "content": "back again"}], "max_tokens": 2})
+            assert r.status_code == 200 and r.headers["x-conductor-decode"] == "b"
+    finally:
+        stop(engine)

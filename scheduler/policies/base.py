@@ -7,6 +7,8 @@ Each choice carries the policy's own score per candidate and a one-line reason.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import math
 import random
 from dataclasses import dataclass, field
@@ -34,7 +36,7 @@ class DecodeChoice:
     why: str
 
 
-class Policy:
+class Policy(ABC):
     """Base class: parameters with defaults, validated at construction."""
 
     name: ClassVar[str] = ""
@@ -49,11 +51,13 @@ class Policy:
                              f"known: {sorted(self.defaults) or 'none'}")
         self.params = {**self.defaults, **params}
 
+    @abstractmethod
     def choose_prefill(self, ctx: DecisionContext) -> PrefillChoice:
-        raise NotImplementedError
+        """The prefill instance (with the terms of how it serves) and every candidate's score."""
 
+    @abstractmethod
     def choose_decode(self, ctx: DecisionContext, prefill: PrefillCandidate) -> DecodeChoice:
-        raise NotImplementedError
+        """The decode instance for a request whose prefill runs on ``prefill``."""
 
     def placed(self, ctx: DecisionContext, prefill: str, decode: str, chose_decode: bool) -> None:
         """A placement was made (not called for rejections). ``chose_decode`` is False when a
