@@ -14,6 +14,18 @@ import aiohttp
 from gateway.config import EmbeddedConfig, EngineConfig
 
 
+def _die_with_parent() -> None:
+    """Runs in the child before exec: on Linux, SIGTERM the engine if the gateway dies (even by
+    SIGKILL), so an embedded cluster never outlives its gateway."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: stop() still ends the engines on a normal shutdown
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -38,7 +50,7 @@ class EmbeddedCluster:
                     "--kv-events", f"tcp://127.0.0.1:{kv}", "--kv-events-replay", f"tcp://127.0.0.1:{replay}",
                     "--profile", self.cfg.profile, "--time-scale", str(self.cfg.time_scale),
                     "--seed", str(self.cfg.seed + i), *self.cfg.extra_args]
-            self.procs.append(subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL))
+            self.procs.append(subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent))
             self.engines.append(EngineConfig(id=eid, role=role, url=f"http://127.0.0.1:{port}", kind="sim",
                                              kv_events=f"tcp://127.0.0.1:{kv}",
                                              kv_events_replay=f"tcp://127.0.0.1:{replay}", profile=self.cfg.profile))

@@ -49,3 +49,35 @@ def test_port_in_use_is_one_line(tmp_path):
 def test_unbuilt_commands_say_so():
     r = run("simulate")
     assert r.returncode == 2 and "not built yet" in r.stderr
+
+
+def test_embedded_engines_do_not_outlive_a_killed_gateway():
+    import signal
+    import time
+
+    import requests
+
+    from tests.servers import conductor, stop, wait_until
+
+    port = free_port()
+    proc = conductor("serve", "--port", str(port), "--log-level", "warning")
+    try:
+        wait_until(f"http://127.0.0.1:{port}/ready", proc, timeout_s=90)
+        urls = [i["url"] for i in requests.get(f"http://127.0.0.1:{port}/admin/cluster").json()["instances"]]
+        assert len(urls) == 4
+        proc.send_signal(signal.SIGKILL)  # no graceful shutdown: the engines must go by themselves
+        proc.wait(10)
+        deadline = time.monotonic() + 20
+        alive = urls
+        while alive and time.monotonic() < deadline:
+            alive = []
+            for u in urls:
+                try:
+                    requests.get(u + "/health", timeout=0.5)
+                    alive.append(u)
+                except requests.RequestException:
+                    pass
+            time.sleep(0.1)
+        assert alive == []
+    finally:
+        stop(proc)
