@@ -24,6 +24,10 @@ def main(argv: list[str]) -> int:
         from gateway.cluster import build_scheduler
 
         build_scheduler(cfg, cfg.engines)
+        if cfg.tokenizer == "hf":
+            from gateway.tokenizers import HFTokenizer
+
+            HFTokenizer(cfg.tokenizer_path)
     except (ValueError, KeyError) as e:
         raise CLIError(f"bad configuration: {e.args[0] if e.args else e}") from None
     cfg.host = args.host or cfg.host

@@ -4,6 +4,7 @@ tokenizer directory with its chat template (needs the optional ``transformers`` 
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Protocol
 
 from engines_adapters.tokenizer import ByteTokenizer
@@ -48,11 +49,15 @@ class EngineTokenizer:
 
 class HFTokenizer:
     def __init__(self, path: str):
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # no "PyTorch was not found" noise
         try:
             from transformers import AutoTokenizer  # optional: only this mode needs it
         except ImportError:
             raise ValueError("tokenizer 'hf' needs the 'transformers' package (pip install transformers)") from None
-        self.tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        try:
+            self.tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"cannot load the Hugging Face tokenizer at {path}: {e}") from None
 
     async def tokens(self, req: ParsedRequest) -> list[int]:
         return await asyncio.to_thread(self._tokens, req)
@@ -60,7 +65,8 @@ class HFTokenizer:
     def _tokens(self, req: ParsedRequest) -> list[int]:
         try:
             if req.endpoint == "chat":
-                return list(self.tok.apply_chat_template(req.body["messages"], add_generation_prompt=True, tokenize=True))
+                ids = self.tok.apply_chat_template(req.body["messages"], add_generation_prompt=True, tokenize=True)
+                return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # transformers 5 returns a dict
             prompt = req.body["prompt"]
             return list(prompt) if isinstance(prompt, list) else list(self.tok.encode(prompt, add_special_tokens=True))
         except Exception as e:  # the template or the prompt is bad: the client's error
