@@ -8,20 +8,9 @@ from scheduler import Instance, Placement, Rejection, RequestFacts, Scheduler
 from scheduler.admission import resolve_slo
 from scheduler.hashing import block_hashes
 from scheduler.ledger import Reservation
+from tests.sched_helpers import Clock, toks
 
 BS = 16
-
-
-class Clock:
-    def __init__(self):
-        self.t = 50.0
-
-    def __call__(self):
-        return self.t
-
-
-def toks(seed, n):
-    return [(seed * 7919 + k * 31) % 50_000 for k in range(n)]
 
 
 def facts(rid, n=2000, max_tokens=200, slo=None, seed=1):
@@ -30,7 +19,7 @@ def facts(rid, n=2000, max_tokens=200, slo=None, seed=1):
 
 
 def make(slo=SLO(), **kw):
-    clock = Clock()
+    clock = Clock(50.0)
     sched = Scheduler([Instance("p0", "prefill"), Instance("d0", "decode")], slo=slo, clock=clock, **kw)
     return sched, clock
 
@@ -159,7 +148,7 @@ def test_early_rejection_still_refuses_load_that_will_still_be_there():
 
 @pytest.mark.parametrize("policy", Scheduler.policy_names())
 def test_admission_applies_to_every_policy(policy):
-    clock = Clock()
+    clock = Clock(50.0)
     sched = Scheduler([Instance("p0", "prefill"), Instance("d0", "decode")], policy=policy, clock=clock,
                       slo=SLO(ttft_s=0.001))
     assert sched.decide(facts("r")).status == 429

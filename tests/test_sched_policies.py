@@ -10,27 +10,16 @@ from scheduler import Instance, Placement, RequestFacts, Scheduler
 from scheduler.explain import candidates
 from scheduler.hashing import block_hashes
 from scheduler.ledger import Reservation
+from tests.sched_helpers import Clock, toks
 
 BS = 16
 
 
-class Clock:
-    def __init__(self):
-        self.t = 100.0
-
-    def __call__(self):
-        return self.t
-
-
 def cluster(policy="conductor", prefill=3, decode=2, **kw):
-    clock = Clock()
+    clock = Clock(100.0)
     insts = [Instance(f"p{i}", "prefill") for i in range(prefill)]
     insts += [Instance(f"d{i}", "decode") for i in range(decode)]
     return Scheduler(insts, policy=policy, clock=clock, block_size=BS, **kw), clock
-
-
-def toks(seed, n):
-    return [(seed * 7919 + k * 31) % 50_000 for k in range(n)]
 
 
 def hold(sched, inst, tokens, medium="GPU"):
@@ -106,7 +95,7 @@ def test_conductor_recomputes_when_the_network_is_slower_than_the_prefill_it_wou
 
     slow = Predictors(fast.queue, fast.prefill, SlowNetwork(), fast.tbt, fast.group)
     sched = Scheduler([Instance("p0", "prefill"), Instance("p1", "prefill"), Instance("d0", "decode")],
-                      clock=Clock(), predictors=slow)
+                      clock=Clock(100.0), predictors=slow)
     for i in ("p0", "p1", "d0"):
         book.set(i, "llama3-8b-h200")
     doc = toks(1, 6000)
@@ -291,7 +280,7 @@ def test_lmetric_multiplies_uncached_tokens_by_batch():
 
 def test_every_policy_places_on_a_both_only_cluster_with_decode_on_the_same_instance():
     for name in Scheduler.policy_names():
-        sched = Scheduler([Instance("a", "both"), Instance("b", "both")], policy=name, clock=Clock())
+        sched = Scheduler([Instance("a", "both"), Instance("b", "both")], policy=name, clock=Clock(100.0))
         for k in range(4):
             d = sched.decide(facts(f"{name}{k}", toks(k, 500)))
             assert isinstance(d, Placement), (name, d)

@@ -8,20 +8,9 @@ from predictors.telemetry import SLO
 from scheduler import Instance, Placement, Rejection, RequestFacts, Scheduler, format_lines
 from scheduler.explain import DECODE_COLUMNS, PREFILL_COLUMNS, candidates
 from scheduler.hashing import block_hashes
+from tests.sched_helpers import Clock, toks
 
 BS = 16
-
-
-class Clock:
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self):
-        return self.t
-
-
-def toks(seed, n):
-    return [(seed * 7919 + k * 31) % 50_000 for k in range(n)]
 
 
 def facts(rid, n=1000, max_tokens=100, seed=1, slo=None):
@@ -30,7 +19,7 @@ def facts(rid, n=1000, max_tokens=100, seed=1, slo=None):
 
 
 def pd(policy="conductor", **kw):
-    clock = Clock()
+    clock = Clock(0.0)
     insts = [Instance("p0", "prefill"), Instance("p1", "prefill"), Instance("d0", "decode"), Instance("d1", "decode")]
     return Scheduler(insts, policy=policy, clock=clock, **kw), clock
 
@@ -94,12 +83,12 @@ def test_nothing_healthy_is_a_503_with_the_side_that_is_missing():
     d = sched.decide(facts("r"))
     assert (d.prefill, d.decode) == ("p1", "d1")
     assert not sched.set_healthy("ghost", True)
-    empty = Scheduler([], clock=Clock())
+    empty = Scheduler([], clock=Clock(0.0))
     assert empty.decide(facts("r")).reason == "no_healthy_prefill"
 
 
 def test_a_both_instance_serves_when_prefill_only_instances_have_no_decode_peer():
-    clock = Clock()
+    clock = Clock(0.0)
     sched = Scheduler([Instance("p", "prefill"), Instance("b", "both")], clock=clock)
     d = sched.decide(facts("r"))
     assert (d.prefill, d.decode, d.kv_transfer_s) == ("b", "b", 0.0)
@@ -209,7 +198,7 @@ def test_explanations_hold_every_candidate_and_render_one_line_each():
     lines = format_lines(rec)
     assert len(lines) == 1 + 2 + 2 + 1 and lines[-1].startswith("placed on")
     assert any(line.startswith("* prefill") for line in lines) and any(line.startswith("* decode") for line in lines)
-    rej = Scheduler([Instance("p", "prefill"), Instance("d", "decode")], clock=Clock(),
+    rej = Scheduler([Instance("p", "prefill"), Instance("d", "decode")], clock=Clock(0.0),
                     slo=SLO(ttft_s=1e-6)).decide(facts("x"))
     assert format_lines(rej.explanation)[-1].startswith("rejected (ttft_slo_unreachable)")
     empty = pd()[0].decide(RequestFacts("y", 0, [], 1))
@@ -288,7 +277,7 @@ step = st.one_of(
 @settings(max_examples=150, deadline=None)
 @given(st.lists(step, max_size=30), st.sampled_from(Scheduler.policy_names()), st.booleans())
 def test_ledger_returns_to_zero_after_any_interleaving(steps, policy, early):
-    clock = Clock()
+    clock = Clock(0.0)
     insts = [Instance("p0", "prefill"), Instance("p1", "prefill"), Instance("d0", "decode"), Instance("d1", "decode"),
              Instance("b", "both")]
     sched = Scheduler(insts, policy=policy, clock=clock, early_rejection=early, slo=SLO(ttft_s=30.0, tbt_s=0.2))
