@@ -37,6 +37,7 @@ class UpstreamHTTPError(UpstreamError):
     def __init__(self, status: int, body: bytes, engine: str):
         super().__init__(f"engine {engine} answered {status}: {body[:200]!r}", engine)
         self.status, self.body = status, body
+        self.kv_lost = False  # a decode leg refused for want of the prefill's KV (the pair's fault)
         # an engine's 5xx may be its own fault (another pair may work); 4xx is the request's fault
         self.retryable = status >= 500
 
@@ -49,6 +50,7 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     if "max_completion_tokens" in b:
         b["max_completion_tokens"] = 1
     b.pop("stream_options", None)
+    b.pop("min_tokens", None)  # vLLM refuses min_tokens > max_tokens, and the leg makes one token
     b["kv_transfer_params"] = {
         "do_remote_decode": True,
         "do_remote_prefill": False,
@@ -80,11 +82,15 @@ class LoadSample:
 
 
 def parse_vllm_metrics(text: str) -> LoadSample:
-    """vLLM's gauges summed over model labels; older names (gpu_cache_usage_perc) accepted."""
+    """vLLM's request gauges summed over label sets (models, DP engines), KV usage the highest;
+    older names (gpu_cache_usage_perc) accepted."""
     vals: dict[str, float] = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            vals[s.name] = vals.get(s.name, 0.0) + s.value
+            if s.name.endswith("_perc"):  # a ratio per engine/model series: the fullest one counts
+                vals[s.name] = max(vals.get(s.name, 0.0), s.value)
+            else:
+                vals[s.name] = vals.get(s.name, 0.0) + s.value
     kv = vals.get("vllm:kv_cache_usage_perc", vals.get("vllm:gpu_cache_usage_perc", 0.0))
     return LoadSample(int(vals.get("vllm:num_requests_running", 0)), int(vals.get("vllm:num_requests_waiting", 0)), kv)
 
@@ -97,8 +103,12 @@ class EngineClient:
         self.session, self.id, self.url = session, engine_id, url.rstrip("/")
         self.connect_timeout_s, self.timeout_s = connect_timeout_s, timeout_s
 
-    def _timeout(self, total: float | None = None) -> aiohttp.ClientTimeout:
-        return aiohttp.ClientTimeout(total=total or self.timeout_s, sock_connect=self.connect_timeout_s)
+    def _timeout(self, streaming: bool) -> aiohttp.ClientTimeout:
+        """A whole-answer limit for legs read at once; an idle limit for streams, which may
+        legitimately run longer than any total limit (long generations)."""
+        if streaming:
+            return aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s, sock_read=self.timeout_s)
+        return aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=self.connect_timeout_s)
 
     async def prefill(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> tuple[dict | None, dict]:
         """Run the prefill leg; returns the engine's ``kv_transfer_params`` for the decode leg and
@@ -112,7 +122,7 @@ class EngineClient:
 
     async def post_json(self, path: str, body: Any, headers: dict[str, str]) -> bytes:
         """POST and read the whole answer; a non-200 answer raises UpstreamHTTPError."""
-        resp = await self.open(path, body, headers)
+        resp = await self.open(path, body, headers, streaming=False)
         try:
             data = await resp.read()
         except asyncio.TimeoutError:
@@ -120,17 +130,21 @@ class EngineClient:
         except aiohttp.ClientError as e:
             raise UpstreamUnavailable(f"engine {self.id} failed: {e}", self.id) from None
         finally:
-            resp.release()
+            resp.close()  # read to the end, or abandoned: never hand a half-read connection back
         if resp.status != 200:
             raise UpstreamHTTPError(resp.status, data, self.id)
         return data
 
-    async def open(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> aiohttp.ClientResponse:
-        """Start a request and return the response once headers arrived (caller reads and releases it)."""
+    async def open(self, path: str, body: dict[str, Any], headers: dict[str, str], *,
+                   streaming: bool = True) -> aiohttp.ClientResponse:
+        """Start a request and return the response once headers arrived (caller reads and closes it)."""
         try:
             resp = await self.session.request(
                 "POST", self.url + path, data=_dumps(body),
-                headers={**headers, "content-type": "application/json"}, timeout=self._timeout())
+                headers={**headers, "content-type": "application/json"}, timeout=self._timeout(streaming))
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
+            # could not connect (a connect timeout is also a TimeoutError): another pair may work
+            raise UpstreamUnavailable(f"engine {self.id} unreachable: {e}", self.id) from None
         except asyncio.TimeoutError:
             raise UpstreamTimeout(f"engine {self.id} timed out", self.id) from None
         except aiohttp.ClientError as e:

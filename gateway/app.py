@@ -107,7 +107,8 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
-        return error_response(exc.status_code, str(exc.detail), "not_found" if exc.status_code == 404 else None)
+        return error_response(exc.status_code, str(exc.detail), "not_found" if exc.status_code == 404 else None,
+                              headers=getattr(exc, "headers", None))  # e.g. Allow on a 405
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):

@@ -58,7 +58,23 @@ class Cluster:
                                 replay_endpoint=e.kv_events_replay)
         sub.open()
         self.subscribers[e.id] = sub
-        self._sub_tasks[e.id] = asyncio.create_task(sub.run(), name=f"kv-events-{e.id}")
+        self._sub_tasks[e.id] = asyncio.create_task(self._keep_subscribed(sub), name=f"kv-events-{e.id}")
+
+    async def _keep_subscribed(self, sub: KVEventSubscriber) -> None:
+        """A subscriber that fails (a socket error, a bug) is logged and restarted with backoff,
+        starting from a resync, so an instance's index never silently freezes."""
+        backoff = 0.1
+        while True:
+            try:
+                await sub.run()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("kv events %s: subscriber failed; restarting in %.1f s", sub.instance_id, backoff)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 5.0)
+            sub.resync()  # run() reopens the socket; a failure to (e.g. port not yet free) loops here
 
     async def stop(self) -> None:
         tasks = self._tasks + list(self._sub_tasks.values())

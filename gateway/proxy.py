@@ -66,7 +66,37 @@ class Proxy:
             return Response(status_code=499)
         rec.prompt_tokens, rec.max_tokens = len(tokens), req.max_tokens
         facts = RequestFacts(rid, len(tokens), block_hashes(tokens, self.cfg.block_size), req.max_tokens, slo)
-        return await self._place_and_drive(req, facts, rec, span)
+        return await self._watching(request, self._place_and_drive(req, facts, rec, span))
+
+    async def _watching(self, request: Request, work) -> Response:
+        """Run ``work`` (up to the response) while watching for the client leaving. uvicorn does
+        not cancel a handler on disconnect: without this, a departed client's prefill leg and
+        non-streamed decode would run on, holding their reservation."""
+        main = asyncio.current_task()
+        state = {"active": True, "gone": False}
+
+        async def watch() -> None:
+            while True:
+                if (await request.receive())["type"] == "http.disconnect":
+                    state["gone"] = True
+                    if state["active"]:
+                        main.cancel()
+                    return
+
+        watcher = asyncio.create_task(watch())
+        try:
+            result = await work
+            state["active"] = False  # no await between here and the return: no stray cancel
+            return result
+        except asyncio.CancelledError:
+            state["active"] = False
+            if not state["gone"]:
+                raise
+            main.uncancel()
+            return Response(status_code=499)  # nobody is left to read it
+        finally:
+            state["active"] = False
+            watcher.cancel()
 
     async def _read_body(self, request: Request) -> bytes:
         limit = self.cfg.max_body_bytes
@@ -97,10 +127,11 @@ class Proxy:
                 resp = await self._open(req, d, rec, span)
             except UpstreamError as e:
                 self._release(rec)
-                if e.retryable and attempt == 0 and e.engine:
-                    exclude.add(e.engine)
+                if e.retryable and e.engine:
                     self.cluster.report_failure(e.engine)
-                    continue
+                    if attempt == 0:
+                        exclude.add(e.engine)
+                        continue
                 return self._upstream_failure(e, rec, span)
             except BaseException:  # the client went away during the prefill leg
                 self._release(rec)
@@ -141,7 +172,8 @@ class Proxy:
             finally:
                 resp.release()
             err = UpstreamHTTPError(resp.status, data, d.decode)
-            err.retryable = err.retryable or (params is not None and resp.status in _KV_LOST)
+            err.kv_lost = params is not None and resp.status in _KV_LOST
+            err.retryable = err.retryable or err.kv_lost
             raise err
         return resp
 
@@ -154,8 +186,12 @@ class Proxy:
             timeout = isinstance(e, asyncio.TimeoutError)
             return self._upstream_failure(UpstreamTimeout("engine timed out", rec.decode_instance) if timeout
                                           else UpstreamError(f"engine failed: {e}", rec.decode_instance), rec, span)
+        except BaseException:  # the client left (see _watching): the engine aborts when we close
+            self._release(rec)
+            self._finish(rec, "aborted", 499, span)
+            raise
         finally:
-            resp.release()
+            resp.close()
         self._release(rec)
         tally.token_times.append(time.monotonic())
         try:
@@ -191,7 +227,7 @@ class Proxy:
         return error_response(d.status, d.message, d.reason, headers=headers)
 
     def _upstream_failure(self, e: UpstreamError, rec: RequestRecord, span) -> Response:
-        if isinstance(e, UpstreamHTTPError) and e.status < 500 and e.status not in _KV_LOST:
+        if isinstance(e, UpstreamHTTPError) and e.status < 500 and not e.kv_lost:
             # the engine refused the request itself (e.g. too long for its context): pass its answer on
             self._finish(rec, "error", e.status, span, error="engine_refused")
             return Response(e.body, status_code=e.status, media_type="application/json",

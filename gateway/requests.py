@@ -38,20 +38,22 @@ def parse_body(raw: bytes, endpoint: str, default_max_tokens: int) -> ParsedRequ
             raise RequestError(400, "'messages' is required and must be a non-empty list", "missing_field", "messages")
     elif "prompt" not in body:
         raise RequestError(400, "'prompt' is required", "missing_field", "prompt")
-    stream = body.get("stream", False)
+    stream = body.get("stream")
+    stream = False if stream is None else stream  # null means the default, as in OpenAI's API
     if not isinstance(stream, bool):
         raise RequestError(400, "'stream' must be a boolean", "invalid_field", "stream")
-    n = body.get("n", 1)
-    if n != 1:
+    n = body.get("n")
+    if n not in (None, 1):
         raise RequestError(400, "only n=1 is supported through disaggregated serving", "invalid_field", "n")
-    max_tokens = default_max_tokens
-    for key in ("max_completion_tokens", "max_tokens"):
+    max_tokens = None
+    for key in ("max_completion_tokens", "max_tokens"):  # vLLM: max_completion_tokens wins
         v = body.get(key)
         if v is None:
             continue
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise RequestError(400, f"'{key}' must be a positive integer", "invalid_field", key)
-        max_tokens = v
+        max_tokens = v if max_tokens is None else max_tokens
+    max_tokens = default_max_tokens if max_tokens is None else max_tokens
     return ParsedRequest(body, endpoint, model, stream, max_tokens)
 
 

@@ -38,6 +38,8 @@ class StreamTally:
     def scan_events(self, events: bytes, now: float) -> None:
         if b"data: [DONE]" in events:
             self.done = True
+        if b'data: {"error"' in events and self.error is None:  # the engine failed in-band
+            self.error = "engine reported an error in the stream"
         n = len(_CONTENT.findall(events))
         if n:
             self.token_times.extend([now] * n)

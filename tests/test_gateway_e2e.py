@@ -277,3 +277,17 @@ def test_ejected_engine_is_readmitted_when_it_comes_back():
             assert r.status_code == 200 and r.headers["x-conductor-decode"] == "b"
     finally:
         stop(engine)
+
+
+def test_non_streamed_client_leaving_frees_its_reservation_at_once(gw):
+    body = {"model": gw["model"], "messages": [{"role": "user", "content": "a very long answer"}],
+            "max_tokens": 4000, "ignore_eos": True}  # ~20 s of decoding on the 8B profile
+    with pytest.raises(requests.Timeout):
+        requests.post(gw["url"] + "/v1/chat/completions", json=body, timeout=1.0)
+    # the client has gone after 1 s: the gateway must notice, abort upstream and release
+    for _ in range(100):
+        view = requests.get(gw["url"] + "/admin/cluster").json()
+        if all(i["active_requests"] == 0 for i in view["instances"]):
+            break
+        threading.Event().wait(0.05)
+    assert all(i["active_requests"] == 0 for i in view["instances"]), view

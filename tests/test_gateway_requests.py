@@ -58,3 +58,50 @@ def test_tally_counts_content_chunks_not_role_chunks():
     t.scan_events(usage, 3.0)
     assert t.token_times == [2.0, 2.0]
     assert t.usage["completion_tokens"] == 2
+
+
+def test_nulls_mean_defaults_and_max_completion_tokens_wins():
+    req = parse_body(body(model="m", messages=[{"role": "user", "content": "x"}], stream=None, n=None), "chat", 16)
+    assert req.stream is False and req.max_tokens == 16
+    req = parse_body(body(model="m", messages=[{"role": "user", "content": "x"}], max_tokens=50,
+                          max_completion_tokens=7), "chat", 16)
+    assert req.max_tokens == 7  # vLLM takes max_completion_tokens over max_tokens
+
+
+def test_prefill_leg_body():
+    from engines_adapters.vllm_client import decode_body, prefill_body
+
+    original = {"model": "m", "messages": [], "max_tokens": 50, "max_completion_tokens": 40, "min_tokens": 8,
+                "stream": True, "stream_options": {"include_usage": True}, "top_k": 3}
+    p = prefill_body(original)
+    assert p["stream"] is False and p["max_tokens"] == 1 and p["max_completion_tokens"] == 1
+    assert "min_tokens" not in p and "stream_options" not in p and p["top_k"] == 3
+    assert p["kv_transfer_params"]["do_remote_decode"] is True
+    d = decode_body(original, {"remote_host": "h"})
+    assert d["max_tokens"] == 50 and d["stream"] is True and d["kv_transfer_params"] == {"remote_host": "h"}
+    assert "kv_transfer_params" not in original  # the client's body is never mutated
+
+
+def test_metrics_parsing_sums_counts_and_takes_the_fullest_kv():
+    from engines_adapters.vllm_client import parse_vllm_metrics
+
+    text = "\n".join([
+        "# TYPE vllm:num_requests_running gauge",
+        'vllm:num_requests_running{engine="0",model_name="m"} 3',
+        'vllm:num_requests_running{engine="1",model_name="m"} 4',
+        "# TYPE vllm:num_requests_waiting gauge",
+        'vllm:num_requests_waiting{engine="0",model_name="m"} 2',
+        "# TYPE vllm:kv_cache_usage_perc gauge",
+        'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.7',
+        'vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.4',
+        ""])
+    s = parse_vllm_metrics(text)
+    assert (s.running, s.waiting) == (7, 2) and s.kv_usage == pytest.approx(0.7)
+    old = parse_vllm_metrics('# TYPE vllm:gpu_cache_usage_perc gauge\nvllm:gpu_cache_usage_perc{model_name="m"} 0.5\n')
+    assert old.kv_usage == pytest.approx(0.5)
+
+
+def test_in_band_engine_error_is_not_a_success():
+    t = StreamTally()
+    t.scan_events(b'data: {"error": {"message": "boom"}}\n\ndata: [DONE]\n\n', 1.0)
+    assert t.error and t.done
