@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import struct
+import time
 from dataclasses import dataclass
 from typing import Protocol
 from urllib.parse import urlsplit
@@ -50,15 +51,17 @@ class SubscriberStats:
     replays: int = 0
     rebuilds: int = 0
     ignored: int = 0
+    tail_recoveries: int = 0  # idle probes that found batches we had missed
 
 
 class KVEventSubscriber:
     def __init__(self, ctx: zmq.asyncio.Context, instance_id: str, endpoint: str, sink: HitIndexSink, *,
                  engine_url: str = "http://127.0.0.1", replay_endpoint: str | None = None, topic: bytes = b"",
-                 replay_timeout_s: float = 2.0):
+                 replay_timeout_s: float = 2.0, idle_probe_s: float = 1.0):
         self.ctx, self.instance_id, self.sink = ctx, instance_id, sink
         self.endpoint, self.engine_url, self.replay_endpoint = endpoint, engine_url, replay_endpoint
-        self.topic, self.replay_timeout_s = topic, replay_timeout_s
+        self.topic, self.replay_timeout_s, self.idle_probe_s = topic, replay_timeout_s, idle_probe_s
+        self._last_heard = time.monotonic()
         self.stats = SubscriberStats()
         self._sub: zmq.asyncio.Socket | None = None
         self._live_last = -1
@@ -101,7 +104,10 @@ class KVEventSubscriber:
                 # poll makes sure it happens even when the FD edge fired while we were busy
                 # (libzmq #2267)
                 if not self._sub.getsockopt(zmq.EVENTS) & zmq.POLLIN and not await self._sub.poll(100):
+                    if time.monotonic() - self._last_heard > self.idle_probe_s:
+                        await self._catch_up()
                     continue
+                self._last_heard = time.monotonic()
                 frames = await self._sub.recv_multipart()
                 if len(frames) != 3 or len(frames[1]) != 8:
                     self.stats.ignored += 1
@@ -127,6 +133,22 @@ class KVEventSubscriber:
             await self._recover(last + 1)
         if seq > self.stats.last_seq:
             self._apply(seq, payload)
+
+    async def _catch_up(self) -> None:
+        """Idle probe of the replay socket for batches after the last applied one. A lost batch is
+        otherwise noticed only when a later one arrives, and a quiet engine may send none (the
+        batches published before a new subscription reaches the engine are dropped, for one)."""
+        self._last_heard = time.monotonic()
+        start = self.stats.last_seq + 1
+        batches = await self._fetch_replay(start)
+        if not batches:
+            return
+        self.stats.tail_recoveries += 1
+        if batches[0][0] > start:  # the buffer no longer reaches back: what we hold is stale
+            self._rebuild()
+        for seq, payload in batches:
+            if seq > self.stats.last_seq:
+                self._apply(seq, payload)
 
     def _rebuild(self) -> None:
         """Forget everything this instance holds; later events build it again."""
@@ -155,7 +177,7 @@ class KVEventSubscriber:
         dealer.connect(subscriber_address(addr, self.engine_url) if publisher_binds(addr) else addr)
         out: list[tuple[int, bytes]] = []
         try:
-            await dealer.send_multipart([b"", struct.pack(">Q", start)])
+            await asyncio.wait_for(dealer.send_multipart([b"", struct.pack(">Q", start)]), self.replay_timeout_s)
             for _ in range(1_000_000):  # bounded: an engine buffers far fewer batches
                 frames = await asyncio.wait_for(dealer.recv_multipart(), self.replay_timeout_s)
                 if len(frames) != 4 or len(frames[2]) != 8:

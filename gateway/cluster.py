@@ -40,7 +40,6 @@ class Cluster:
         self._zmq = zmq.asyncio.Context()
         self._tasks: list[asyncio.Task] = []
         self._sub_tasks: dict[str, asyncio.Task] = {}
-        self._ever_healthy: set[str] = set()
 
     async def start(self) -> None:
         conn = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
@@ -108,13 +107,13 @@ class Cluster:
         client = self.clients[eid]
         ok = await client.health()
         if ok:
+            if self.failures[eid] and eid in self.subscribers:
+                # back after an outage, however short: it may have restarted with an empty cache
+                # (its event sequence cannot always tell), so rebuild its blocks from replay
+                self.subscribers[eid].resync()
             self.failures[eid] = 0
             if not self.healthy[eid]:
                 log.info("instance %s is healthy: admitted", eid)
-                if eid in self._ever_healthy and eid in self.subscribers:
-                    # it may have restarted with an empty cache: rebuild its blocks from replay
-                    self.subscribers[eid].resync()
-                self._ever_healthy.add(eid)
                 self.set_healthy(eid, True)
             load = await client.load()
             if load is not None:
@@ -148,6 +147,7 @@ class Cluster:
                 inst["url"] = e.url
                 inst["kind"] = e.kind
                 inst["healthy"] = self.healthy.get(e.id, False)
+                inst["consecutive_failures"] = self.failures.get(e.id, 0)
                 sub = self.subscribers.get(e.id)
                 if sub is not None:
                     inst["kv_events"] = vars(sub.stats).copy()

@@ -291,3 +291,43 @@ def test_non_streamed_client_leaving_frees_its_reservation_at_once(gw):
             break
         threading.Event().wait(0.05)
     assert all(i["active_requests"] == 0 for i in view["instances"]), view
+
+
+def test_engine_restarting_between_health_checks_loses_its_indexed_blocks():
+    """An engine that restarts too quickly to be ejected comes back with an empty cache: the
+    gateway must not keep routing for its old prefixes."""
+    from gateway.embedded import free_port
+    from tests.servers import conductor, wait_until
+
+    port, kv, replay = free_port(), free_port(), free_port()
+    args = ("sim-engine", "--role", "both", "--port", str(port), "--kv-events", f"tcp://127.0.0.1:{kv}",
+            "--kv-events-replay", f"tcp://127.0.0.1:{replay}")
+    engine = conductor(*args)
+    try:
+        wait_until(f"http://127.0.0.1:{port}/health", engine)
+        cfg = ["health_interval_s = 0.1", "eject_after_failures = 1000", "[[engines]]", 'id = "b"', 'role = "both"',
+               f'url = "http://127.0.0.1:{port}"', f'kv_events = "tcp://127.0.0.1:{kv}"',
+               f'kv_events_replay = "tcp://127.0.0.1:{replay}"']
+        with gateway("\n".join(cfg) + "\n") as g:
+            model = requests.get(g["url"] + "/v1/models").json()["data"][0]["id"]
+
+            def instance():
+                return requests.get(g["url"] + "/admin/cluster").json()["instances"][0]
+
+            def until(cond):
+                for _ in range(400):
+                    if cond(instance()):
+                        return
+                    threading.Event().wait(0.05)
+                raise AssertionError(instance())
+
+            r = requests.post(g["url"] + "/v1/chat/completions", timeout=30, json={
+                "model": model, "messages": [{"role": "user", "content": "p" * 3000}], "max_tokens": 2})
+            assert r.status_code == 200
+            until(lambda i: i["cached_blocks"]["device"] >= 180)
+            stop(engine)
+            until(lambda i: i["consecutive_failures"] >= 1 and i["healthy"])  # noticed, not ejected
+            engine = conductor(*args)
+            until(lambda i: i["consecutive_failures"] == 0 and i["cached_blocks"]["device"] == 0)
+    finally:
+        stop(engine)

@@ -72,14 +72,14 @@ def run_case(coro):
 
 
 @contextlib.asynccontextmanager
-async def wired(ep: str, rep: str, *, subscribe: bool = True, **pub_kw):
+async def wired(ep: str, rep: str, *, subscribe: bool = True, idle_probe_s: float = 1.0, **pub_kw):
     """A hit index fed by a subscriber on (ep, rep) and a sim-engine publisher; torn down after."""
     env = SimpleNamespace(index=HitIndex(BS), ctx=zmq.asyncio.Context(), sub=None, task=None,
                           pub=KVEventPublisher(ep, rep, **pub_kw))
     env.index.register("e")
 
     def start_subscriber() -> None:
-        env.sub = KVEventSubscriber(env.ctx, "e", ep, env.index, replay_endpoint=rep)
+        env.sub = KVEventSubscriber(env.ctx, "e", ep, env.index, replay_endpoint=rep, idle_probe_s=idle_probe_s)
         env.task = asyncio.create_task(env.sub.run())
 
     env.start_subscriber = start_subscriber
@@ -190,5 +190,20 @@ def test_resync_drops_and_rebuilds_from_replay(endpoints):
             env.index.drop_instance("e")  # pretend the index lost track; resync must restore it
             env.sub.resync()
             await until(lambda: env.sub.stats.rebuilds == 1 and held_blocks(env.index, batches[-1][0]) == 4)
+
+    run_case(case())
+
+
+def test_idle_probe_recovers_a_lost_tail_without_later_batches(endpoints):
+    async def case():
+        async with wired(*endpoints, hwm=2, idle_probe_s=0.2) as env:
+            batches = chain(30, salt=8)
+            env.pub.publish(time.time(), [batches[0][1]])
+            await nudge_until(env.pub, lambda: held_blocks(env.index, batches[0][0]) == 1)
+            for _, ev in batches[1:]:
+                env.pub.publish(time.time(), [ev])
+            time.sleep(0.3)  # the burst overflows the pipe, and nothing is published after it
+            await until(lambda: held_blocks(env.index, batches[-1][0]) == 30)
+            assert env.sub.stats.tail_recoveries >= 1 and env.sub.stats.rebuilds == 0
 
     run_case(case())
