@@ -135,7 +135,10 @@ def _config(a: argparse.Namespace, log) -> LoadgenConfig:
     else:
         kind, loads = "speedup", a.speedup or [1.0]
     if a.save_workload:
-        to_mooncake_jsonl(base, a.save_workload)
+        try:
+            to_mooncake_jsonl(base, a.save_workload)
+        except OSError as e:
+            raise CLIError(f"cannot write {a.save_workload}: {e.strerror or e}") from None
     return LoadgenConfig(
         targets=a.target, base=base, slo=slo, load_kind=kind, loads=loads, attainment_target=a.attainment_target,
         model=a.model, endpoint=a.endpoint, prompt_format=a.prompt_format, arrival=a.arrival, cv=a.burstiness,

@@ -111,7 +111,11 @@ def effective_capacity(loads: Sequence[float], attainments: Sequence[float | Non
     linearly interpolated (``method: "interpolated"``). When every load meets it the capacity is
     at least the highest load (``"lower_bound"``); when none does, below the lowest (``"below_range"``).
     """
-    pts = sorted((l, a) for l, a in zip(loads, attainments) if a is not None)
+    by_load: dict[float, list[float]] = {}
+    for l, a in zip(loads, attainments):
+        if a is not None:
+            by_load.setdefault(l, []).append(a)
+    pts = sorted((l, sum(a) / len(a)) for l, a in by_load.items())  # a repeated load: its mean
     res: dict[str, Any] = {"target": target, "value": None, "method": None, "between": None}
     if not pts:
         res["method"] = "no_data"

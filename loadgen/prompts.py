@@ -14,11 +14,12 @@ Exactness, by endpoint and prompt format:
   (32..122, ordinary tokens in common vocabularies): exact under *any* tokenizer.
 * ``chat`` (default): the server wraps the message in its chat template. For the built-in template
   the header (``<|user|>\\n``, 9 tokens) replaces the first 9 tokens of block 0 and the trailer
-  (``\\n<|assistant|>\\n``, 15 tokens) the last 15 of the final block, so the templated prompt has
-  exactly ``input_length`` tokens and every 512-token boundary stays in place: full blocks are
-  identical for equal ids. Only the final block's last 15 tokens differ from its text (the
-  trailer), which matters only if a final block's id recurs as a non-final block (never in
-  Mooncake's conversation trace).
+  (``\\n<|assistant|>\\n``, 15 tokens) the last 15 of the partial final block, so the templated
+  prompt has exactly ``input_length`` tokens and every 512-token boundary stays in place: full
+  blocks are identical for equal ids. When the partial block is shorter than the trailer (or
+  absent), the trailer replaces it instead, so no full block is touched and the prompt is up to
+  14 tokens longer than ``input_length`` (2.6% of the Mooncake conversation trace; the real
+  count is returned and reported).
 * Any other tokenizer with text prompts: lengths are approximate (a BPE tokenizer merges these
   characters into fewer tokens); the run measures the difference from ``usage.prompt_tokens``
   and reports it (``prompt_tokens`` in the summary).
@@ -34,13 +35,13 @@ from typing import Any
 
 from engines_adapters.tokenizer import ByteTokenizer
 
-from .workload import TRACE_BLOCK_TOKENS, Request
+from .workload import MAX_HASH_ID, TRACE_BLOCK_TOKENS, Request
 
 #: 64 printable ASCII characters, none of ``<|>`` or newline (the template's markers).
 ALPHABET = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789 ."
 _TO_ALPHABET = bytes.maketrans(bytes(range(256)), (ALPHABET * 4).encode())
 ID_CHARS = 8  # base-64 digits of the block id at the start of each block
-MAX_BLOCK_ID = 64**ID_CHARS - 1
+MAX_BLOCK_ID = MAX_HASH_ID  # = 64**ID_CHARS - 1
 
 ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 PROMPT_FORMATS = ("text", "token-ids")
@@ -125,7 +126,14 @@ def build_prompt(req: Request, synth: PromptSynth, endpoint: str = "chat", promp
             raise ValueError("token-id prompts need the completions endpoint")
         f = framing or ChatFraming.of()
         h, t = len(f.header), len(f.trailer)
-        content = full[h:n - t] if n - t > h else full[:1]
+        tail = n % synth.block_tokens
+        if tail >= t or n < synth.block_tokens:
+            end = n - t  # the trailer fits in the partial last block: exact length
+        else:
+            # it would reach back into a full block, which another request may share: keep full
+            # blocks whole and let the trailer replace the short tail (up to t - 1 extra tokens)
+            end = n - tail
+        content = full[h:end] if end > h else full[:1]
         return Prompt({"messages": [{"role": "user", "content": content}]}, h + len(content) + t)
     if endpoint != "completions":
         raise ValueError(f"unknown endpoint {endpoint!r}")

@@ -180,8 +180,11 @@ def _target_summary(ti: int, cfg: LoadgenConfig, steps: list[StepOutcome], model
     agg = summarize(records, cfg.slo, duration_s=sum(s.summary["duration_s"] for s in mine))
     step_rows = [s.summary for s in mine]
     agg.update(target=cfg.targets[ti], model=model, steps=step_rows,
+               # a step cut short (target gone, Ctrl-C) did not send all its load: it says nothing
+               # about capacity at that load
                effective_capacity=effective_capacity([s["load"] for s in step_rows],
-                                                     [s["slo_attainment"] for s in step_rows], cfg.attainment_target),
+                                                     [None if s.get("aborted") else s["slo_attainment"]
+                                                      for s in step_rows], cfg.attainment_target),
                client=client_health([s.result for s in mine], cfg.max_lag_ms))
     return agg
 

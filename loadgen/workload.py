@@ -13,10 +13,12 @@ import math
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
-from datetime import datetime
+from datetime import datetime, timezone
 
 #: Tokens per ``hash_ids`` block in Mooncake's trace release.
 TRACE_BLOCK_TOKENS = 512
+#: Largest block id prompt synthesis can encode (8 base-64 digits per block, loadgen.prompts).
+MAX_HASH_ID = 64**8 - 1
 #: Problems kept verbatim for the report (the rest are only counted).
 MAX_PROBLEMS_KEPT = 20
 
@@ -86,17 +88,21 @@ def _is_num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def _lines(path: str) -> Iterator[tuple[int, str]]:
+def _lines(path: str, bad: Callable[[str, str], None] | None = None) -> Iterator[tuple[int, str]]:
+    """Numbered text lines; a line that is not UTF-8 is reported to ``bad`` (file:line) and
+    skipped, so one bad byte costs one line (or stops the run under --strict). A BOM is dropped."""
     try:
-        f = open(path, encoding="utf-8", newline="")
+        f = open(path, "rb")
     except OSError as e:
         raise TraceError(f"cannot read trace {path}: {e.strerror or e}") from None
     with f:
-        try:
-            for n, line in enumerate(f, 1):
-                yield n, line
-        except UnicodeDecodeError as e:
-            raise TraceError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        for n, raw in enumerate(f, 1):
+            try:
+                yield n, raw.decode("utf-8-sig" if n == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                if bad is None:
+                    raise TraceError(f"{path}:{n}: not UTF-8 text ({e.reason} at column {e.start + 1})") from None
+                bad(f"{path}:{n}", f"not UTF-8 text ({e.reason} at column {e.start + 1})")
 
 
 def _parse_mooncake(obj, block_tokens: int) -> tuple[float, int, int, tuple[int, ...]] | str:
@@ -110,8 +116,8 @@ def _parse_mooncake(obj, block_tokens: int) -> tuple[float, int, int, tuple[int,
         return f"input_length must be an integer >= 1, got {n_in!r}"
     if not _is_int(n_out) or n_out < 1:
         return f"output_length must be an integer >= 1, got {n_out!r}"
-    if not isinstance(ids, list) or not all(_is_int(h) and h >= 0 for h in ids):
-        return "hash_ids must be a list of integers >= 0"
+    if not isinstance(ids, list) or not all(_is_int(h) and 0 <= h <= MAX_HASH_ID for h in ids):
+        return f"hash_ids must be a list of integers in [0, {MAX_HASH_ID}]"
     want = math.ceil(n_in / block_tokens)
     if len(ids) != want:
         return f"{len(ids)} hash_ids for input_length {n_in} (expected ceil({n_in}/{block_tokens}) = {want})"
@@ -123,7 +129,7 @@ def read_mooncake(path: str, *, strict: bool = False, limit: int | None = None,
     """Mooncake JSONL: ``{"timestamp": ms, "input_length", "output_length", "hash_ids"}`` per line."""
     bad = _Problems(strict, warn)
     rows: list[tuple[float, int, int, tuple[int, ...], int]] = []
-    for n, line in _lines(path):
+    for n, line in _lines(path, bad):
         if limit is not None and len(rows) >= limit:
             break
         if not line.strip():
@@ -149,7 +155,7 @@ def _parse_azure_time(text: str) -> float:
     except ValueError:
         pass
     base, _, frac = text.partition(".")
-    t = datetime.strptime(base, "%Y-%m-%d %H:%M:%S").timestamp()
+    t = datetime.strptime(base, "%Y-%m-%d %H:%M:%S").replace(tzinfo=timezone.utc).timestamp()  # not local time
     if frac:
         if not frac.isdigit():
             raise ValueError(f"bad fractional seconds {frac!r}")
@@ -171,7 +177,7 @@ def read_azure(path: str, *, strict: bool = False, limit: int | None = None,
     rows: list[tuple[float, int, int, tuple[int, ...], int]] = []
     header: list[str] | None = None
     next_id = 0
-    for n, line in _lines(path):
+    for n, line in _lines(path, bad):
         if limit is not None and len(rows) >= limit:
             break
         if not line.strip():

@@ -98,3 +98,11 @@ def test_compare_gives_candidate_over_baseline():
     assert row["goodput_rps_ratio"] == pytest.approx(1.5) and row["slo_attainment_ratio"] == pytest.approx(2.0)
     assert row["ttft_s_p99_ratio"] is None and row["tbt_s_p50_ratio"] is None  # zero or missing baseline
     assert c["effective_capacity_ratio"] == pytest.approx(1.5)
+
+
+def test_effective_capacity_averages_a_repeated_load():
+    from loadgen.metrics import effective_capacity
+
+    cap = effective_capacity([1, 2, 2, 4], [0.99, 0.97, 0.87, 0.5], 0.9)  # load 2 means 0.92
+    assert cap["method"] == "interpolated" and cap["between"] == [2, 4]
+    assert cap["value"] == pytest.approx(2 + 2 * (0.92 - 0.9) / (0.92 - 0.5))

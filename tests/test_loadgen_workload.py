@@ -167,3 +167,39 @@ def test_length_distributions_sample_in_range():
     assert min(u) == 10 and max(u) == 20
     ln = [parse_dist("lognormal:1000:0.5").sample(rng) for _ in range(4000)]
     assert statistics.median(ln) == pytest.approx(1000, rel=0.06)
+
+
+def test_a_bad_byte_costs_one_line_not_the_run(tmp_path):
+    from loadgen.workload import TraceError, read_mooncake
+
+    good = '{"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": [1]}\n'
+    p = tmp_path / "t.jsonl"
+    p.write_bytes(b"\xef\xbb\xbf" + good.encode() + b'{"timestamp": 1, "x": "\xff"}\n' + good.encode())
+    w = read_mooncake(str(p))
+    assert len(w.requests) == 2 and w.skipped == 1 and f"{p}:2: not UTF-8" in w.problems[0]
+    with pytest.raises(TraceError, match=r"t.jsonl:2: not UTF-8"):
+        read_mooncake(str(p), strict=True)
+
+
+def test_hash_ids_beyond_what_prompts_can_encode_are_a_line_error(tmp_path):
+    from loadgen.workload import read_mooncake
+
+    p = tmp_path / "t.jsonl"
+    good = '{"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": [1]}\n'
+    p.write_text(good + '{"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": [281474976710656]}\n')
+    w = read_mooncake(str(p))
+    assert len(w.requests) == 1 and f"{p}:2: hash_ids" in w.problems[0]
+
+
+def test_azure_timestamps_are_utc_whatever_the_local_zone(tmp_path, monkeypatch):
+    import time as _time
+
+    from loadgen.workload import _parse_azure_time
+
+    monkeypatch.setenv("TZ", "America/New_York")
+    _time.tzset()
+    try:
+        assert _parse_azure_time("2023-11-16 18:17:03.5") == pytest.approx(1700158623.5)
+    finally:
+        monkeypatch.delenv("TZ")
+        _time.tzset()
