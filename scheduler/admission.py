@@ -45,10 +45,12 @@ def retry_seconds(seconds: float) -> float:
     return float(max(1, math.ceil(seconds - 1e-9)))
 
 
-def check_ttft(ttft_s: float, queue_s: float, slo_s: float | None) -> Verdict | None:
+def check_ttft(ttft_s: float, queue_s: float, slo_s: float | None, floor_s: float | None = None) -> Verdict | None:
+    """``floor_s``: the best TTFT any candidate would give with its queue drained (default: the
+    chosen one's); only when even that misses is the SLO unreachable."""
     if slo_s is None or ttft_s <= slo_s:
         return None
-    floor = ttft_s - queue_s  # the same request on an empty queue
+    floor = ttft_s - queue_s if floor_s is None else floor_s
     if floor > slo_s:
         return Verdict("ttft_slo_unreachable",
                        f"predicted TTFT {ttft_s:.3f}s exceeds the {slo_s:.3f}s SLO even with no queue "

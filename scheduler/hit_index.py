@@ -19,7 +19,8 @@ Decisions of this module (documented in docs/scheduler.md):
 * a BlockRemoved naming blocks the instance is not known to hold removes the ones it does hold
   and returns False (the gateway may rebuild that instance from replay);
 * AllBlocksCleared clears the instance's device and host tiers; blocks it wrote to the shared
-  store stay (the store was not flushed). ``drop_instance`` clears every tier (before a replay);
+  store stay (the store was not flushed), on ``drop_instance`` (before a replay) too;
+  ``unregister`` clears every tier;
 * each instance holds at most ``max_blocks`` blocks over all tiers; a BlockStored that would
   exceed it is refused (False, counted in ``overflows``): memory stays bounded even when removal
   events are lost, at the price of under-reporting hits until a rebuild;
@@ -114,7 +115,7 @@ class HitIndex:
         """Forget an instance and free its slot (its blocks leave the index)."""
         if instance_id not in self._slot:
             return False
-        self.drop_instance(instance_id)
+        self._clear(instance_id, tiers=(DEVICE, HOST, STORE))
         slot = self._slot.pop(instance_id)
         self._ids[slot] = None
         self._all &= ~self._bits[slot]
@@ -193,8 +194,10 @@ class HitIndex:
         self._clear(instance_id, tiers=(DEVICE, HOST))
 
     def drop_instance(self, instance_id: str) -> None:
-        """Forget everything an instance reported, every tier (before rebuilding it from replay)."""
-        self._clear(instance_id, tiers=(DEVICE, HOST, STORE))
+        """Forget what an instance holds itself (before rebuilding it from replay). What it wrote
+        to the shared store stays: a restarted engine does not flush the store, and losing those
+        hits until they are written again would cost every instance its store pulls."""
+        self._clear(instance_id, tiers=(DEVICE, HOST))
 
     def _forget(self, instance_id: str, slot: int, engine_hash: int, h: int, tiers: tuple[int, ...]) -> bool:
         """Clear ``h`` for one instance in ``tiers``; drop the engine mapping once no tier holds it."""

@@ -12,6 +12,8 @@ and an observation older than ``observe_ttl_s`` is ignored.
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 from predictors.base import DecodeState, PrefillState
@@ -203,7 +205,8 @@ class Ledger:
             return DecodeState(instance_id)
         running = kv = 0
         for r in d.decoding.values():
-            if r.decode_start_s <= t < r.decode_end_s:
+            # still held past its predicted end: it is running late, so assume it still runs at t
+            if r.decode_start_s <= t and (t < r.decode_end_s or r.decode_end_s <= now):
                 running += 1
                 kv += r.kv_tokens
         o = d.observed
@@ -227,7 +230,8 @@ class Ledger:
         """Record scraped engine metrics; False for an unknown instance or impossible values."""
         d = self._loads.get(instance_id)
         try:
-            ok = d is not None and running >= 0 and waiting >= 0 and 0.0 <= kv_usage <= 1.0
+            ok = (d is not None and 0 <= running < 1e9 and 0 <= waiting < 1e9 and 0.0 <= kv_usage <= 1.0
+                  and math.isfinite(running) and math.isfinite(waiting))
         except TypeError:
             return False
         if not ok:

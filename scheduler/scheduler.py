@@ -289,7 +289,11 @@ class Scheduler:
         kv_s = pred.transfer.transfer_time(prompt, p.id, d.id) if d.id != p.id else 0.0
         ttft = terms.transfer_s + p.queue_s + terms.prefill_s + kv_s
         slo = admission.resolve_slo(self.slo, facts.slo)
-        ttft_verdict = admission.check_ttft(ttft, p.queue_s, slo.ttft_s)
+        floor = None  # the best TTFT any candidate could give once its queue drains
+        if slo.ttft_s is not None and ttft > slo.ttft_s:
+            rows = pc.rows or {}
+            floor = min(c.ttft(rows.get(c.id, c.local)) - c.queue_s for c in ctx.prefill) + kv_s
+        ttft_verdict = admission.check_ttft(ttft, p.queue_s, slo.ttft_s, floor)
         tbt_verdict = admission.check_tbt(d.tbt_s, slo.tbt_s, d.state,
                                           ledger.decode_departures(d.id) if slo.tbt_s is not None else [],
                                           prompt, max_tokens, pred, now)
@@ -314,9 +318,9 @@ class Scheduler:
             decode_kv_tokens=now_state.kv_tokens, explanation=record, kv_transfer_s=kv_s, policy=self.policy_name)
         if commit:
             decode_start = now + ttft
+            self.policy.placed(ctx, p.id, d.id, chose_decode)  # first: if it raises, nothing is held
             ledger.reserve(Reservation(rid, p.id, d.id, prompt - terms.hit_tokens, terms.prefill_s, need, now,
                                        decode_start, decode_start + max(1, max_tokens) * d.tbt_s), now)
-            self.policy.placed(ctx, p.id, d.id, chose_decode)
             self.counts["placed"] += 1
             self.decisions.append(record)
         return placement

@@ -105,8 +105,8 @@ def test_longest_prefix_matches_model_after_any_event_sequence(ops):
             index.all_cleared(o[1])
             model.clear(o[1], ("device", "host"))
         else:
-            index.drop_instance(o[1])
-            model.clear(o[1], ("device", "host", "store"))
+            index.drop_instance(o[1])  # a rebuild keeps what the instance wrote to the store
+            model.clear(o[1], ("device", "host"))
     for seq in SEQS:
         hashes = block_hashes(seq, BS)
         m = index.match(hashes)
@@ -166,8 +166,10 @@ def test_tiers_are_reported_separately_and_local_spans_device_and_host():
     assert (m.device, m.local, m.store) == ({}, {}, 9)
     # the store copy still names the chain: a device block chained to it is accepted
     assert index.block_stored("p", [e[0]], None, A[:4], BS, "GPU")
-    index.drop_instance("p")
-    assert index.match(h).store == 0 and index.cached_blocks("p") == {"device": 0, "host": 0, "store": 0}
+    index.drop_instance("p")  # a rebuild: the engine's own tiers go, its store copy does not
+    assert index.match(h).store == 9 and index.cached_blocks("p") == {"device": 0, "host": 0, "store": 9}
+    index.unregister("p")  # the instance leaves for good: everything it reported goes
+    assert index.match(h).store == 0
 
 
 def test_inconsistent_or_foreign_events_are_ignored_without_touching_the_index():

@@ -159,3 +159,25 @@ def test_release_after_the_instance_left_is_still_exactly_once():
     ledger.add_instance("d")  # re-registered: starts empty, the old reservation must not underflow it
     assert ledger.release("a", now=1.0) and not ledger.release("a", now=1.0)
     assert ledger.is_idle()
+
+
+def test_decode_running_late_still_counts_for_early_rejection():
+    from scheduler.ledger import Ledger, Reservation
+
+    led = Ledger()
+    led.add_instance("p0")
+    led.add_instance("d0")
+    led.reserve(Reservation("r", "p0", "d0", 100, 0.1, 500, 0.0, 1.0, 2.0), now=0.0)
+    assert led.decode_state_at("d0", 1.5, now=0.5).running == 1  # decoding as predicted
+    assert led.decode_state_at("d0", 3.0, now=0.5).running == 0  # predicted to be done by then
+    assert led.decode_state_at("d0", 3.0, now=2.5).running == 1  # past its end, still held: late
+
+
+def test_observe_rejects_impossible_numbers_without_raising():
+    from scheduler.ledger import Ledger
+
+    led = Ledger()
+    led.add_instance("d0")
+    assert not led.observe("d0", float("inf"), 0, 0.5, now=0.0)
+    assert not led.observe("d0", 1, float("nan"), 0.5, now=0.0)
+    assert led.observe("d0", 3, 1, 0.5, now=0.0)

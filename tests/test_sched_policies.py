@@ -6,7 +6,7 @@ import pytest
 
 from predictors.analytic import ProfileBook, analytic_predictors
 from predictors.base import Predictors
-from scheduler import Instance, Placement, RequestFacts, Scheduler
+from scheduler import SLO, Instance, Placement, Rejection, RequestFacts, Scheduler
 from scheduler.explain import candidates
 from scheduler.hashing import block_hashes
 from scheduler.ledger import Reservation
@@ -285,3 +285,20 @@ def test_every_policy_places_on_a_both_only_cluster_with_decode_on_the_same_inst
             d = sched.decide(facts(f"{name}{k}", toks(k, 500)))
             assert isinstance(d, Placement), (name, d)
             assert d.decode == d.prefill and d.kv_transfer_s == 0.0
+
+
+def test_ttft_slo_is_unreachable_only_when_no_candidate_could_meet_it_once_drained():
+    """The chosen idle instance cannot meet the SLO, but the busy holder could once its queue
+    drains: that is 'ttft_slo' (wait and retry), not 'unreachable'."""
+    sched, _ = cluster(peer_pull=False)
+    doc = toks(1, 6000)
+    hold(sched, "p1", doc)
+    busy(sched, "p1", seconds=5.0)
+    req = doc + toks(2, 300)
+    full = sched.predictors.prefill.prefill_time("p0", len(req), 0)
+    tail = sched.predictors.prefill.prefill_time("p1", len(req), 6000)
+    slo = SLO(ttft_s=(tail + full) / 2)  # between what the holder and a cold instance can do
+    d = sched.decide(facts("r", req, slo=slo))
+    assert isinstance(d, Rejection) and d.reason == "ttft_slo" and d.retry_after_s >= 1
+    d = sched.decide(facts("r2", toks(9, 6300), slo=SLO(ttft_s=tail / 2)))  # nobody holds it
+    assert isinstance(d, Rejection) and d.reason == "ttft_slo_unreachable"
