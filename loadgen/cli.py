@@ -147,8 +147,22 @@ def _config(a: argparse.Namespace, log) -> LoadgenConfig:
         progress=not a.quiet, api_key=a.api_key, regenerate=regenerate)
 
 
+def _raise_fd_limit() -> None:
+    """An open-loop run keeps one connection per request in flight; the default soft limit of
+    1024 descriptors would make the client fail and blame the target."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 1 << 20, hard))
+    except (ImportError, ValueError, OSError):
+        pass  # not raisable here: runs beyond ~1000 in flight may then report client errors
+
+
 def main(argv: list[str]) -> int:
     a = build_parser().parse_args(argv)
+    _raise_fd_limit()
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
