@@ -163,7 +163,7 @@ def test_roles_refuse_the_other_side():
         EngineModel(PROFILE, role="decode").add_request(SimRequest("a", [1, 2], 1, hold_kv=True), 0.0)
     with pytest.raises(ValueError):
         EngineModel(PROFILE, role="prefill").add_request(SimRequest("a", [1, 2], 1, remote_kv=True), 0.0)
-    with pytest.raises(ValueError, match="more KV blocks"):
+    with pytest.raises(ValueError, match="more KV blocks|maximum model length 64"):
         EngineModel(PROFILE, kv_capacity_tokens=64).add_request(SimRequest("a", prompt(100), 1), 0.0)
 
 
@@ -267,3 +267,23 @@ def test_random_workloads_keep_the_block_accounting_exact(seed):
         assert len(referenced) <= kv.capacity
     _, _, now = drain(e, now)
     assert not e._seqs and e.kv.num_free() == e.kv.capacity
+
+
+def test_output_that_would_outgrow_the_cache_is_refused_not_hung():
+    """A sequence longer than the whole KV cache could never finish: refuse it up front."""
+    from engines_adapters.sim.model import EngineModel, SimRequest
+    from engines_adapters.sim.profiles import load_profile
+
+    m = EngineModel(load_profile("llama3-8b-h200"), "both", kv_capacity_tokens=64, noise=0.0)
+    assert m.max_model_len == 64
+    with pytest.raises(ValueError, match="KV blocks"):
+        m.add_request(SimRequest("r", list(range(40)), 100, output_len=100), 0.0)
+    m.add_request(SimRequest("ok", list(range(40)), 20, output_len=20), 0.0)
+    now, emitted = 0.0, 0
+    for _ in range(200):  # bounded: it must finish
+        res = m.step(now)
+        now = res.end
+        emitted += len(res.emitted)
+        if not m.has_work():
+            break
+    assert emitted == 20 and not m.has_work()

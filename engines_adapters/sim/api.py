@@ -13,6 +13,8 @@ with the first token).
 """
 from __future__ import annotations
 
+import asyncio
+
 import time
 import uuid
 from dataclasses import dataclass
@@ -311,6 +313,13 @@ class OpenAIApi:
                 meta = await self.puller.pull(g.kv)
             except PullError as e:
                 return error_response(e.status, str(e), "kv_transfer_params", echo, err_type=e.code)
+            except asyncio.CancelledError:  # the client left during the pull: free the prefill's KV now
+                self.puller.release(g.kv)
+                raise
+            if not isinstance(meta, dict):
+                self.puller.release(g.kv)
+                return error_response(502, "the prefill instance answered the pull with no JSON object",
+                                      "kv_transfer_params", echo)
             if meta.get("num_tokens") != len(g.prompt):
                 self.puller.release(g.kv)
                 return error_response(409, f"the prefill instance holds KV for {meta.get('num_tokens')} tokens but "

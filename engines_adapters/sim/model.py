@@ -108,6 +108,9 @@ class EngineModel:
         self.max_model_len = max_model_len or profile.max_model_len
         cap_tokens = profile.kv_capacity_tokens if kv_capacity_tokens is None else kv_capacity_tokens
         self.kv = KVCache(cap_tokens // block_size, block_size, host_tier_tokens // block_size, kv_events)
+        # a sequence longer than the whole cache could never finish (vLLM refuses such a
+        # max_model_len at start-up): clamp, so the API answers 400 instead of a hang
+        self.max_model_len = min(self.max_model_len, self.kv.capacity * block_size)
         self.timer = StepTimer(profile)
         self.noise = noise
         self.kv_hold_timeout = kv_hold_timeout
@@ -158,6 +161,9 @@ class EngineModel:
                              f"({self.kv.capacity} blocks of {bs})")
         off, natural = self.sampler.draw(rid)
         target = 1 if req.hold_kv else min(req.max_tokens, req.output_len if req.output_len is not None else natural)
+        if -(-(P + target) // bs) > self.kv.capacity:
+            raise ValueError(f"prompt of {P} tokens plus {target} output tokens needs more KV blocks than the "
+                             f"cache holds ({self.kv.capacity} blocks of {bs})")
         s = _Seq(req, now, block_hashes(req.prompt, bs), off, max(1, target))
         self._seqs[rid] = s
         self._waiting.append(s)
@@ -300,6 +306,7 @@ class EngineModel:
             j += 1
         if not res.preempted:
             waiting = self._waiting
+            gave_back = False
             while waiting and budget > 0 and len(pre) + len(dec) < self.max_num_seqs:
                 s = waiting[0]
                 if not s.looked_up:
@@ -314,9 +321,13 @@ class EngineModel:
                 if need > 0 and not kv.alloc(need):
                     if not s.loaded:
                         self._free(s)  # give its prefix hits back (vLLM does too); it looks up again
-                    elif not (pre or dec or self._loading):
-                        for w in waiting:  # nothing will free memory: drop loaded KV (it stays cached)
+                    if not gave_back and not (pre or dec or self._loading):
+                        # nothing running will free memory, and waiting requests behind the head
+                        # may hold loaded KV: drop it all (it stays cached) and try the head again
+                        for w in waiting:
                             self._free(w)
+                        gave_back = True
+                        continue
                     break
                 waiting.popleft()
                 if not s.loaded:
@@ -456,8 +467,9 @@ class EngineModel:
         if len(s.hashes) < limit:
             limit = len(s.hashes)
         g = kv.match_gpu(s.hashes, limit)
-        hh = kv.match_host(s.hashes, g, limit) if kv.host_capacity else 0
         remote = s.remote_kv and not s.remote_done
+        # a remote pull brings everything beyond the device hits: host copies are not used (nor counted)
+        hh = kv.match_host(s.hashes, g, limit) if kv.host_capacity and not remote else 0
         if remote or hh:
             need = (-(-s.P // bs) - g) if remote else hh
             blocks = kv.acquire(s.hashes, g)

@@ -72,8 +72,9 @@ class StepResult:
 
     @property
     def idle(self) -> bool:
-        """Nothing was computed (the driver should wait for new work or the next timer)."""
-        return self.prefill_tokens == 0 and self.decode_seqs == 0
+        """Nothing was computed and nothing is pending (the driver should wait for new work or the
+        next timer). A step that only preempted skipped admissions: the next one must run now."""
+        return self.prefill_tokens == 0 and self.decode_seqs == 0 and not self.preempted
 
 
 @dataclass(slots=True)
