@@ -74,3 +74,35 @@ def gateway(config_text: str = "", *, log_dir: str | None = None):
             yield {"url": f"http://127.0.0.1:{port}", "proc": proc, "dir": d}
         finally:
             stop(proc)
+
+
+def engine_entry(eid: str, role: str, url: str, kv: str | None = None, replay: str | None = None) -> list[str]:
+    """The ``[[engines]]`` lines of a gateway config naming one sim engine."""
+    lines = ["[[engines]]", f'id = "{eid}"', f'role = "{role}"', 'kind = "sim"', f'url = "{url}"']
+    if kv:
+        lines += [f'kv_events = "{kv}"', f'kv_events_replay = "{replay}"']
+    return lines
+
+
+class RestartableEngine:
+    """A sim engine on fixed loopback ports (HTTP, KV events, replay) that a test can stop and
+    start again on the same address, as an engine restart looks to the gateway."""
+
+    def __init__(self, role: str = "both"):
+        self.role = role
+        self.port, kv, replay = free_port(), free_port(), free_port()
+        self.url, self.kv, self.replay = f"http://127.0.0.1:{self.port}", f"tcp://127.0.0.1:{kv}", f"tcp://127.0.0.1:{replay}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, wait: bool = True) -> None:
+        self.proc = conductor("sim-engine", "--role", self.role, "--port", str(self.port), "--kv-events", self.kv,
+                              "--kv-events-replay", self.replay)
+        if wait:
+            wait_until(self.url + "/health", self.proc)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop(self.proc)
+
+    def entry(self, eid: str) -> list[str]:
+        return engine_entry(eid, self.role, self.url, self.kv, self.replay)

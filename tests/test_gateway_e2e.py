@@ -10,7 +10,7 @@ import openai
 import pytest
 import requests
 
-from tests.servers import gateway, sim_engine, stop
+from tests.servers import RestartableEngine, engine_entry, gateway, sim_engine, stop, wait_until
 
 EMBEDDED = "[embedded]\nprefill = 2\ndecode = 2\n"
 
@@ -150,8 +150,7 @@ def test_no_reservation_leaks_after_disconnects_and_an_engine_killed():
     with sim_engine("prefill") as p1, sim_engine("prefill") as p2, sim_engine("decode") as d1, sim_engine("decode") as d2:
         cfg = ['policy = "conductor"', "health_interval_s = 0.2", "[slo]", "ttft_ms = 600000", "tbt_ms = 600000"]
         for name, e, role in (("p1", p1, "prefill"), ("p2", p2, "prefill"), ("d1", d1, "decode"), ("d2", d2, "decode")):
-            cfg += ["[[engines]]", f'id = "{name}"', f'role = "{role}"', 'kind = "sim"', f'url = "{e["url"]}"',
-                    f'kv_events = "{e["kv"]}"', f'kv_events_replay = "{e["replay"]}"']
+            cfg += engine_entry(name, role, e["url"], e["kv"], e["replay"])
         with gateway("\n".join(cfg) + "\n") as g:
             model = requests.get(g["url"] + "/v1/models").json()["data"][0]["id"]
             rng = random.Random(3)
@@ -198,7 +197,7 @@ def test_dead_engine_before_first_byte_is_retried_on_another_pair_then_ejected()
         cfg = ['policy = "round_robin"', "health_interval_s = 60", "eject_after_failures = 2",
                "[slo]", "ttft_ms = 600000", "tbt_ms = 600000"]
         for name, e, role in (("p1", p1, "prefill"), ("d1", d1, "decode"), ("d2", d2, "decode")):
-            cfg += ["[[engines]]", f'id = "{name}"', f'role = "{role}"', 'kind = "sim"', f'url = "{e["url"]}"']
+            cfg += engine_entry(name, role, e["url"])
         with gateway("\n".join(cfg) + "\n") as g:
             model = requests.get(g["url"] + "/v1/models").json()["data"][0]["id"]
             stop(d2["proc"])  # dead, but the (slow) health check has not noticed
@@ -217,7 +216,7 @@ def test_engine_dying_mid_stream_ends_the_stream_with_an_sse_error():
     with sim_engine("prefill") as p1, sim_engine("decode") as d1:
         cfg = ["health_interval_s = 60", "[slo]", "ttft_ms = 600000", "tbt_ms = 600000"]
         for name, e, role in (("p1", p1, "prefill"), ("d1", d1, "decode")):
-            cfg += ["[[engines]]", f'id = "{name}"', f'role = "{role}"', 'kind = "sim"', f'url = "{e["url"]}"']
+            cfg += engine_entry(name, role, e["url"])
         with gateway("\n".join(cfg) + "\n") as g:
             model = requests.get(g["url"] + "/v1/models").json()["data"][0]["id"]
             body = {"model": model, "messages": [{"role": "user", "content": "long answer"}], "max_tokens": 5000,
@@ -254,29 +253,21 @@ def test_concurrent_requests_reusing_one_request_id_all_succeed(gw):
 
 
 def test_ejected_engine_is_readmitted_when_it_comes_back():
-    from gateway.embedded import free_port
-    from tests.servers import conductor, wait_until
-
-    port, kv, replay = free_port(), free_port(), free_port()
-    args = ("sim-engine", "--role", "both", "--port", str(port), "--kv-events", f"tcp://127.0.0.1:{kv}",
-            "--kv-events-replay", f"tcp://127.0.0.1:{replay}")
-    engine = conductor(*args)
+    engine = RestartableEngine()
+    engine.start()
     try:
-        wait_until(f"http://127.0.0.1:{port}/health", engine)
-        cfg = ["health_interval_s = 0.1", "eject_after_failures = 2", "[[engines]]", 'id = "b"', 'role = "both"',
-               f'url = "http://127.0.0.1:{port}"', f'kv_events = "tcp://127.0.0.1:{kv}"',
-               f'kv_events_replay = "tcp://127.0.0.1:{replay}"']
+        cfg = ["health_interval_s = 0.1", "eject_after_failures = 2", *engine.entry("b")]
         with gateway("\n".join(cfg) + "\n") as g:
-            stop(engine)
+            engine.stop()
             wait_until(g["url"] + "/ready", g["proc"], status=503, timeout_s=20)  # ejected: no pair left
-            engine = conductor(*args)  # the engine restarts on the same address
+            engine.start(wait=False)  # the engine restarts on the same address
             wait_until(g["url"] + "/ready", g["proc"], timeout_s=30)  # readmitted
             model = requests.get(g["url"] + "/v1/models").json()["data"][0]["id"]
             r = requests.post(g["url"] + "/v1/chat/completions", timeout=30, json={
                 "model": model, "messages": [{"role": "user", "content": "back again"}], "max_tokens": 2})
             assert r.status_code == 200 and r.headers["x-conductor-decode"] == "b"
     finally:
-        stop(engine)
+        engine.stop()
 
 
 def test_non_streamed_client_leaving_frees_its_reservation_at_once(gw):
@@ -296,18 +287,10 @@ def test_non_streamed_client_leaving_frees_its_reservation_at_once(gw):
 def test_engine_restarting_between_health_checks_loses_its_indexed_blocks():
     """An engine that restarts too quickly to be ejected comes back with an empty cache: the
     gateway must not keep routing for its old prefixes."""
-    from gateway.embedded import free_port
-    from tests.servers import conductor, wait_until
-
-    port, kv, replay = free_port(), free_port(), free_port()
-    args = ("sim-engine", "--role", "both", "--port", str(port), "--kv-events", f"tcp://127.0.0.1:{kv}",
-            "--kv-events-replay", f"tcp://127.0.0.1:{replay}")
-    engine = conductor(*args)
+    engine = RestartableEngine()
+    engine.start()
     try:
-        wait_until(f"http://127.0.0.1:{port}/health", engine)
-        cfg = ["health_interval_s = 0.1", "eject_after_failures = 1000", "[[engines]]", 'id = "b"', 'role = "both"',
-               f'url = "http://127.0.0.1:{port}"', f'kv_events = "tcp://127.0.0.1:{kv}"',
-               f'kv_events_replay = "tcp://127.0.0.1:{replay}"']
+        cfg = ["health_interval_s = 0.1", "eject_after_failures = 1000", *engine.entry("b")]
         with gateway("\n".join(cfg) + "\n") as g:
             model = requests.get(g["url"] + "/v1/models").json()["data"][0]["id"]
 
@@ -325,9 +308,9 @@ def test_engine_restarting_between_health_checks_loses_its_indexed_blocks():
                 "model": model, "messages": [{"role": "user", "content": "p" * 3000}], "max_tokens": 2})
             assert r.status_code == 200
             until(lambda i: i["cached_blocks"]["device"] >= 180)
-            stop(engine)
+            engine.stop()
             until(lambda i: i["consecutive_failures"] >= 1 and i["healthy"])  # noticed, not ejected
-            engine = conductor(*args)
+            engine.start(wait=False)
             until(lambda i: i["consecutive_failures"] == 0 and i["cached_blocks"]["device"] == 0)
     finally:
-        stop(engine)
+        engine.stop()
