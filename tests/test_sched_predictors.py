@@ -80,3 +80,19 @@ def test_queue_is_the_ledgers_queued_seconds():
 def test_unknown_instances_fall_back_to_the_default_profile_instead_of_raising():
     assert PRED.prefill.prefill_time("nobody", 1000, 0) == PRED.prefill.prefill_time("small", 1000, 0)
     assert PRED.tbt.tbt(DecodeState("nobody"), 10, 10) == PRED.tbt.tbt(DecodeState("small"), 10, 10)
+
+
+def test_time_scaled_profile_predicts_in_wall_seconds():
+    """An engine at --time-scale 0.1 runs ten times faster in wall time; so must the predictions."""
+    from engines_adapters.sim.profiles import load_profile, register_profile, time_scaled
+    from predictors.analytic import Roofline, roofline_decode_step_s, roofline_prefill_s
+
+    base = load_profile("llama3-8b-h200")
+    fast = time_scaled(base, 0.1)
+    register_profile(fast)
+    assert load_profile(fast.name) is fast and fast.kv_capacity_tokens == base.kv_capacity_tokens
+    rb, rf = Roofline.from_profile(base), Roofline.from_profile(fast)
+    for prompt, cached in ((1000, 0), (8000, 2000), (32000, 0)):
+        assert roofline_prefill_s(rf, prompt, cached) == pytest.approx(0.1 * roofline_prefill_s(rb, prompt, cached))
+    assert roofline_decode_step_s(rf, 32, 32000) == pytest.approx(0.1 * roofline_decode_step_s(rb, 32, 32000))
+    assert time_scaled(base, 1) is base

@@ -75,7 +75,28 @@ def profile_names() -> list[str]:
     return sorted(_all())
 
 
+_registered: dict[str, Profile] = {}
+
+
+def time_scaled(p: Profile, scale: float) -> Profile:
+    """The profile of hardware ``scale`` times slower: how an engine run with ``--time-scale
+    scale`` looks in wall-clock time (rates divided, fixed latencies multiplied), so predictions
+    made from it are in the same seconds the gateway measures."""
+    if scale == 1:
+        return p
+    hw = {k: (v / scale if k == "peak_tflops" or k.endswith("_gbps") else v) for k, v in p.hardware.items()}
+    eff = {k: (v * scale if k.endswith(("_ms", "_us")) else v) for k, v in p.efficiency.items()}
+    return replace(p, name=f"{p.name}@time-scale-{scale:g}", hardware=hw, efficiency=eff)
+
+
+def register_profile(p: Profile) -> None:
+    """Make a derived profile loadable by its name (e.g. a time-scaled one)."""
+    _registered[p.name] = p
+
+
 def load_profile(name: str) -> Profile:
+    if name in _registered:
+        return _registered[name]
     raw = _all().get(name)
     if raw is None:
         raise KeyError(f"unknown profile {name!r}; known: {', '.join(profile_names())}")
