@@ -302,3 +302,17 @@ def test_ttft_slo_is_unreachable_only_when_no_candidate_could_meet_it_once_drain
     assert isinstance(d, Rejection) and d.reason == "ttft_slo" and d.retry_after_s >= 1
     d = sched.decide(facts("r2", toks(9, 6300), slo=SLO(ttft_s=tail / 2)))  # nobody holds it
     assert isinstance(d, Rejection) and d.reason == "ttft_slo_unreachable"
+
+
+def test_conductor_not_pulling_from_a_peer_still_loads_what_the_store_holds():
+    """Ratio rule, local 10 blocks, store 18, peer 20: 20/10 is not above the threshold, so no
+    peer pull, but the store's 18 blocks still load (an engine's store connector does that)."""
+    sched, _ = cluster(pull_rule="ratio", balancing_threshold=2.0)
+    doc = toks(1, 400)
+    hold(sched, "p0", doc[:160])
+    hold(sched, "p2", doc[:288], medium="EXTERNAL")
+    hold(sched, "p1", doc[:320])
+    d = sched.decide(facts("r", doc))
+    rows = {r["id"]: r for r in candidates(d.explanation, "prefill")}
+    assert rows["p0"]["transfer_from"] == "store" and rows["p0"]["hit_tokens"] == 288
+    assert rows["p0"]["local_hit_tokens"] == 160

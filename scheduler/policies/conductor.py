@@ -50,7 +50,9 @@ class ConductorPolicy(Policy):
             if t is None:
                 t = c.local
                 if holder is not None and best_blocks > c.local_blocks:  # someone holds more: pull or not
-                    recompute = book.recompute(c)
+                    # not pulling is the engine default: the local prefix, plus what the shared store
+                    # holds beyond it (a store connector loads that anyway), then recompute the rest
+                    recompute = book.local(c)
                     pull = book.pull(c, holder, best_blocks)
                     t = pull if self._pulls(c, pull, recompute, best_blocks) else recompute
                 chosen[key] = t
