@@ -294,9 +294,13 @@ class Scheduler:
             rows = pc.rows or {}
             floor = min(c.ttft(rows.get(c.id, c.local)) - c.queue_s for c in ctx.prefill) + kv_s
         ttft_verdict = admission.check_ttft(ttft, p.queue_s, slo.ttft_s, floor)
-        tbt_verdict = admission.check_tbt(d.tbt_s, slo.tbt_s, d.state,
-                                          ledger.decode_departures(d.id) if slo.tbt_s is not None else [],
-                                          prompt, max_tokens, pred, now)
+        departures, at = [], now
+        if slo.tbt_s is not None and d.tbt_s > slo.tbt_s:
+            departures = ledger.decode_departures(d.id)
+            if self.early_rejection:  # d.state is the load at prefill_done_at: count from there
+                at = prefill_done_at
+                departures = [r for r in departures if r.decode_start_s <= at < r.decode_end_s]
+        tbt_verdict = admission.check_tbt(d.tbt_s, slo.tbt_s, d.state, departures, prompt, max_tokens, pred, at)
         verdict = ttft_verdict or tbt_verdict
         replication = None
         if terms.transfer_from is not None and terms.transfer_tokens > 0:
