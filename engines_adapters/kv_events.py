@@ -105,7 +105,11 @@ class KVEventSubscriber:
                 # (libzmq #2267)
                 if not self._sub.getsockopt(zmq.EVENTS) & zmq.POLLIN and not await self._sub.poll(100):
                     if time.monotonic() - self._last_heard > self.idle_probe_s:
-                        await self._catch_up()
+                        # a lost batch is otherwise noticed only when a later one arrives, and a
+                        # quiet engine may send none (batches published before our subscription
+                        # reached it, for one): ask the replay socket for anything we missed
+                        self._last_heard = time.monotonic()
+                        await self._recover(self.stats.last_seq + 1, gap_known=False)
                     continue
                 self._last_heard = time.monotonic()
                 frames = await self._sub.recv_multipart()
@@ -134,32 +138,21 @@ class KVEventSubscriber:
         if seq > self.stats.last_seq:
             self._apply(seq, payload)
 
-    async def _catch_up(self) -> None:
-        """Idle probe of the replay socket for batches after the last applied one. A lost batch is
-        otherwise noticed only when a later one arrives, and a quiet engine may send none (the
-        batches published before a new subscription reaches the engine are dropped, for one)."""
-        self._last_heard = time.monotonic()
-        start = self.stats.last_seq + 1
-        batches = await self._fetch_replay(start)
-        if not batches:
-            return
-        self.stats.tail_recoveries += 1
-        if batches[0][0] > start:  # the buffer no longer reaches back: what we hold is stale
-            self._rebuild()
-        for seq, payload in batches:
-            if seq > self.stats.last_seq:
-                self._apply(seq, payload)
-
     def _rebuild(self) -> None:
         """Forget everything this instance holds; later events build it again."""
         self.stats.rebuilds += 1
         self.sink.drop_instance(self.instance_id)
         self.stats.last_seq = -1
 
-    async def _recover(self, start: int) -> None:
+    async def _recover(self, start: int, *, gap_known: bool = True) -> None:
         """Replay batches >= start; when the engine's buffer no longer reaches back that far (or
-        there is no replay socket), drop the instance's index and keep what the replay gives."""
+        there is no replay socket), drop the instance's index and keep what the replay gives.
+        ``gap_known=False`` is an idle probe: an empty or failed answer means nothing was missed."""
         batches = await self._fetch_replay(start)
+        if not gap_known:
+            if not batches:
+                return
+            self.stats.tail_recoveries += 1
         covered = batches is not None and (batches[0][0] <= start if batches else start == 0)
         if not covered and (self.stats.last_seq >= 0 or start > 0):
             self._rebuild()

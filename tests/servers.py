@@ -49,15 +49,12 @@ def stop(*procs: subprocess.Popen) -> None:
 
 @contextmanager
 def sim_engine(role: str, *extra: str):
-    port, kv, replay = free_port(), free_port(), free_port()
-    proc = conductor("sim-engine", "--role", role, "--port", str(port), "--kv-events", f"tcp://127.0.0.1:{kv}",
-                     "--kv-events-replay", f"tcp://127.0.0.1:{replay}", *extra)
+    engine = RestartableEngine(role, *extra)
+    engine.start()
     try:
-        wait_until(f"http://127.0.0.1:{port}/health", proc)
-        yield {"url": f"http://127.0.0.1:{port}", "port": port, "kv": f"tcp://127.0.0.1:{kv}",
-               "replay": f"tcp://127.0.0.1:{replay}", "proc": proc}
+        yield {"url": engine.url, "port": engine.port, "kv": engine.kv, "replay": engine.replay, "proc": engine.proc}
     finally:
-        stop(proc)
+        engine.stop()
 
 
 @contextmanager
@@ -88,15 +85,15 @@ class RestartableEngine:
     """A sim engine on fixed loopback ports (HTTP, KV events, replay) that a test can stop and
     start again on the same address, as an engine restart looks to the gateway."""
 
-    def __init__(self, role: str = "both"):
-        self.role = role
+    def __init__(self, role: str = "both", *extra: str):
+        self.role, self.extra = role, extra
         self.port, kv, replay = free_port(), free_port(), free_port()
         self.url, self.kv, self.replay = f"http://127.0.0.1:{self.port}", f"tcp://127.0.0.1:{kv}", f"tcp://127.0.0.1:{replay}"
         self.proc: subprocess.Popen | None = None
 
     def start(self, wait: bool = True) -> None:
         self.proc = conductor("sim-engine", "--role", self.role, "--port", str(self.port), "--kv-events", self.kv,
-                              "--kv-events-replay", self.replay)
+                              "--kv-events-replay", self.replay, *self.extra)
         if wait:
             wait_until(self.url + "/health", self.proc)
 
