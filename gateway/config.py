@@ -7,8 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from predictors.telemetry import SLO
-
-ROLES = ("prefill", "decode", "both")
+from predictors.types import ROLES
 KINDS = ("vllm", "sim")
 TOKENIZERS = ("builtin", "engine", "hf")
 

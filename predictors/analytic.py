@@ -24,7 +24,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from engines_adapters.sim.profiles import GB, Profile, load_profile
-from predictors.base import HOST, STORE, DecodeState, PrefillState, Predictors
+from predictors.base import DecodeState, PrefillState, Predictors
+from predictors.types import Tier
 
 #: Chunked-prefill token budget per engine step (vLLM's default ``max_num_batched_tokens`` for
 #: large models); only the number of steps (weight reads, overheads) depends on it.
@@ -178,9 +179,9 @@ class AnalyticTransfer:
         if tokens <= 0 or source == destination:
             return 0.0
         dst = self.book.roofline(destination)
-        if source == HOST:
+        if source == Tier.HOST:
             bandwidth, latency = dst.host_bytes_per_s, dst.transfer_latency_s
-        elif source == STORE:  # the store is reached over the destination's NIC
+        elif source == Tier.STORE:  # the store is reached over the destination's NIC
             bandwidth, latency = dst.net_bytes_per_s, dst.transfer_latency_s
         else:
             src = self.book.roofline(source)

@@ -12,10 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Hashable, NamedTuple, Protocol, runtime_checkable
 
-#: ``transfer_time`` source meaning "the destination's own host memory" (a host-tier hit).
-HOST = "host"
-#: ``transfer_time`` source meaning "the shared KV store" (Mooncake Store).
-STORE = "store"
+from predictors.telemetry import RequestRecord
+
 
 
 class PrefillState(NamedTuple):
@@ -52,7 +50,7 @@ class TransferPredictor(Protocol):
     def transfer_time(self, tokens: int, source: str, destination: str) -> float:
         """Seconds to move the KV of ``tokens`` tokens onto ``destination``'s device.
 
-        ``source`` is another instance id, ``STORE`` (the shared store) or ``HOST`` (the
+        ``source`` is another instance id, ``Tier.STORE`` (the shared store) or ``Tier.HOST`` (the
         destination's own host memory). ``source == destination`` moves nothing: 0.
         """
 
@@ -77,3 +75,20 @@ class Predictors:
     transfer: TransferPredictor
     tbt: TBTPredictor
     group: Callable[[str], Hashable] | None = None
+
+    def observe(self, record: RequestRecord) -> None:
+        """A request finished: hand its record to each term predictor that learns from outcomes
+        (an ``observe(record)`` method: online correction, training-data capture). Analytic
+        predictors have none; a predictor shared by several terms hears each record once."""
+        seen: set[int] = set()
+        for p in (self.queue, self.prefill, self.transfer, self.tbt):
+            hook = getattr(p, "observe", None)
+            if hook is not None and id(p) not in seen:
+                seen.add(id(p))
+                hook(record)
+
+
+@runtime_checkable
+class Observer(Protocol):
+    def observe(self, record: RequestRecord) -> None:
+        """Learn from one finished request's record (features at decision time + outcomes)."""

@@ -4,7 +4,8 @@ from scheduler.explain import format_lines
 from scheduler.hit_index import HitIndex, Match
 from scheduler.ledger import Ledger, Reservation
 from scheduler.scheduler import Scheduler
-from scheduler.types import BOTH, DECODE, PREFILL, STORE, Instance, Placement, Rejection, RequestFacts
+from predictors.types import Role, Tier
+from scheduler.types import Instance, Placement, Rejection, RequestFacts
 
-__all__ = ["BOTH", "DECODE", "PREFILL", "SLO", "STORE", "HitIndex", "Instance", "Ledger", "Match", "Placement",
+__all__ = ["SLO", "HitIndex", "Role", "Tier", "Instance", "Ledger", "Match", "Placement",
            "Rejection", "RequestFacts", "Reservation", "Scheduler", "format_lines"]

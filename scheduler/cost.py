@@ -10,7 +10,7 @@ shares them: with 64 candidates most have the same (no) prefix and cost one look
 A candidate's engine-default way (``local``): reuse its own prefix, load the host-tier part of
 it, fetch beyond it from the shared store when the store holds more (an engine with a store
 connector does that by itself), prefill the rest. Algorithm 1 may instead recompute beyond the
-local prefix only (``recompute``) or pull the best holder's prefix (``pull``).
+local prefix (the engine default) or pull the best holder's prefix (``pull``).
 """
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Hashable
 
-from predictors.base import HOST, DecodeState, PrefillState, Predictors
-from scheduler.types import STORE, RequestFacts
+from predictors.base import DecodeState, PrefillState, Predictors
+from predictors.types import Tier
+from scheduler.types import RequestFacts
 
 
 @dataclass(slots=True)
@@ -74,7 +75,7 @@ class TermBook:
 
     def _host_load_s(self, c: PrefillCandidate) -> float:
         host = (c.local_blocks - c.device_blocks) * self.bs
-        return self.pred.transfer.transfer_time(host, HOST, c.id) if host > 0 else 0.0
+        return self.pred.transfer.transfer_time(host, Tier.HOST, c.id) if host > 0 else 0.0
 
     def local(self, c: PrefillCandidate) -> Terms:
         """Engine default: own prefix (host part loaded), plus the store's beyond it if longer."""
@@ -86,20 +87,10 @@ class TermBook:
             hit, moved, source = local, 0, None
             if self.store_blocks > c.local_blocks:
                 moved = (self.store_blocks - c.local_blocks) * self.bs
-                transfer_s += self.pred.transfer.transfer_time(moved, STORE, c.id)
-                hit, source = self.store_blocks * self.bs, STORE
+                transfer_s += self.pred.transfer.transfer_time(moved, Tier.STORE, c.id)
+                hit, source = self.store_blocks * self.bs, Tier.STORE
             t = self._memo[key] = Terms(hit, local, moved, source, transfer_s,
                                         self.pred.prefill.prefill_time(c.id, self.prompt, hit))
-        return t
-
-    def recompute(self, c: PrefillCandidate) -> Terms:
-        """Algorithm 1's "else" branch: reuse only the local prefix, recompute the rest."""
-        key = ("recompute", c.group, c.device_blocks, c.local_blocks)
-        t = self._memo.get(key)
-        if t is None:
-            local = c.local_blocks * self.bs
-            t = self._memo[key] = Terms(local, local, 0, None, self._host_load_s(c),
-                                        self.pred.prefill.prefill_time(c.id, self.prompt, local))
         return t
 
     def pull(self, c: PrefillCandidate, holder: str, holder_blocks: int) -> Terms:
@@ -118,18 +109,25 @@ class TermBook:
 
 @dataclass(slots=True)
 class DecisionContext:
-    """Everything a policy may read for one request; built by the scheduler, read-only to policies."""
+    """The blackboard one decision's stages fill in order; policies read it, never write it.
+
+    Stages (scheduler.scheduler): eligible candidates (``prefill_pool``/``decode_pool``) ->
+    cache facts (``match``, ``store_blocks``, best holder) -> terms (``prefill`` and ``decode``
+    candidates with their predicted terms) -> choice (the policy) -> admission -> commit.
+    """
 
     facts: RequestFacts
     now: float
     block_size: int
-    prefill: list[PrefillCandidate]
-    store_blocks: int
     predictors: Predictors
-    terms: TermBook
     rng: random.Random
-    params: dict[str, Any]
+    prefill_pool: list[Any] = field(default_factory=list)  # eligible Instances
+    decode_pool: list[Any] = field(default_factory=list)
+    match: Any = None  # scheduler.hit_index.Match
+    store_blocks: int = 0
+    prefill: list[PrefillCandidate] = field(default_factory=list)
     decode: list[DecodeCandidate] = field(default_factory=list)
+    terms: TermBook = None  # type: ignore[assignment]  # set by the terms stage
     holder: str | None = None  # best holder: the longest prefix any candidate (or the store) can give
     holder_blocks: int = 0
 
@@ -148,5 +146,5 @@ def best_holder(candidates: list[PrefillCandidate], store_blocks: int) -> tuple[
         if c.local_blocks > blocks:
             holder, blocks = c.id, c.local_blocks
     if store_blocks > blocks:
-        holder, blocks = STORE, store_blocks
+        holder, blocks = Tier.STORE, store_blocks
     return holder, blocks

@@ -35,13 +35,16 @@ from dataclasses import dataclass, field
 from itertools import accumulate, repeat
 from operator import and_, neg, or_
 
+from predictors.types import TIERS, Tier
 from scheduler.hashing import block_hashes as index_block_hashes
 
-DEVICE, HOST, STORE = 0, 1, 2
-TIER_NAMES = ("device", "host", "store")
+
+# tier slots in the index: positions in TIERS (device, host, store)
+_DEV, _HOST, _STORE = (TIERS.index(t) for t in (Tier.DEVICE, Tier.HOST, Tier.STORE))
+TIER_NAMES = TIERS
 
 #: KV-event ``medium`` -> tier (vLLM: GPU, CPU; SGLang: GPU, CPU_PINNED, DISK, EXTERNAL).
-MEDIUM_TIERS = {"GPU": DEVICE, "CPU": HOST, "CPU_PINNED": HOST, "DISK": STORE, "EXTERNAL": STORE}
+MEDIUM_TIERS = {"GPU": _DEV, "CPU": _HOST, "CPU_PINNED": _HOST, "DISK": _STORE, "EXTERNAL": _STORE}
 
 #: Default bound on blocks per instance (all tiers) when the caller gives none.
 DEFAULT_MAX_BLOCKS = 1 << 20
@@ -53,7 +56,7 @@ _FIRST_CHUNK = 16  # blocks looked up before the first check that anyone still m
 def tier_of(medium: str | None) -> int | None:
     """The tier a KV event's medium names (None -> device, as vLLM omits the default)."""
     if medium is None:
-        return DEVICE
+        return _DEV
     if not isinstance(medium, str):
         return None
     return MEDIUM_TIERS.get(medium.upper())
@@ -115,7 +118,7 @@ class HitIndex:
         """Forget an instance and free its slot (its blocks leave the index)."""
         if instance_id not in self._slot:
             return False
-        self._clear(instance_id, tiers=(DEVICE, HOST, STORE))
+        self._clear(instance_id, tiers=(_DEV, _HOST, _STORE))
         slot = self._slot.pop(instance_id)
         self._ids[slot] = None
         self._all &= ~self._bits[slot]
@@ -159,7 +162,7 @@ class HitIndex:
         for engine_hash, h in zip(block_hashes, ours):
             old = emap.get(engine_hash)
             if old is not None and old != h:  # the engine reused a hash for other tokens
-                self._forget(instance_id, slot, engine_hash, old, tiers=(DEVICE, HOST, STORE))
+                self._forget(instance_id, slot, engine_hash, old, tiers=(_DEV, _HOST, _STORE))
             emap[engine_hash] = h
             mask = table.get(h, 0)
             if not mask & bit:
@@ -191,13 +194,13 @@ class HitIndex:
 
     def all_cleared(self, instance_id: str) -> None:
         """The engine dropped its cache: clear its device and host tiers (the store keeps its copy)."""
-        self._clear(instance_id, tiers=(DEVICE, HOST))
+        self._clear(instance_id, tiers=(_DEV, _HOST))
 
     def drop_instance(self, instance_id: str) -> None:
         """Forget what an instance holds itself (before rebuilding it from replay). What it wrote
         to the shared store stays: a restarted engine does not flush the store, and losing those
         hits until they are written again would cost every instance its store pulls."""
-        self._clear(instance_id, tiers=(DEVICE, HOST))
+        self._clear(instance_id, tiers=(_DEV, _HOST))
 
     def _forget(self, instance_id: str, slot: int, engine_hash: int, h: int, tiers: tuple[int, ...]) -> bool:
         """Clear ``h`` for one instance in ``tiers``; drop the engine mapping once no tier holds it."""
@@ -211,7 +214,7 @@ class HitIndex:
                 held = True
                 self._set_rest(table, h, mask & ~bit)
                 counts[tier] -= 1
-        if not any(self._tiers[t].get(h, 0) & bit for t in (DEVICE, HOST, STORE)):
+        if not any(self._tiers[t].get(h, 0) & bit for t in (_DEV, _HOST, _STORE)):
             self._engine[instance_id].pop(engine_hash, None)
         return held
 
@@ -229,7 +232,7 @@ class HitIndex:
                 mask = table.get(h, 0)
                 if mask & bit:
                     self._set_rest(table, h, mask & ~bit)
-            if any(self._tiers[t].get(h, 0) & bit for t in (DEVICE, HOST, STORE) if t not in cleared):
+            if any(self._tiers[t].get(h, 0) & bit for t in (_DEV, _HOST, _STORE) if t not in cleared):
                 keep[engine_hash] = h
         for tier in tiers:
             counts[tier] = 0

@@ -222,10 +222,6 @@ class Ledger:
             return []
         return sorted(d.decoding.values(), key=lambda r: r.decode_end_s)
 
-    def active_requests(self, instance_id: str) -> int:
-        d = self._loads.get(instance_id)
-        return d.active if d is not None else 0
-
     def observe(self, instance_id: str, running: int, waiting: int, kv_usage: float, now: float) -> bool:
         """Record scraped engine metrics; False for an unknown instance or impossible values."""
         d = self._loads.get(instance_id)

@@ -1,10 +1,12 @@
 """The scheduler facade: one call per request, pure (no I/O, no awaits), clock injected.
 
-Pipeline of ``decide``: validate the facts -> pick healthy candidates -> read every prefill
-candidate's longest prefix from the hit map -> predict its terms (transfer, queue, prefill)
-and each decode candidate's TBT -> the policy picks the prefill instance, then the decode
-instance (a ``both`` instance decodes its own request) -> add the prefill->decode KV shipment
--> admission against the SLO -> reserve in the ledger and record the explanation.
+``decide`` runs six stages over one :class:`DecisionContext`, each a method below:
+validate -> eligible candidates (healthy, not excluded, context long enough) -> cache facts
+(every instance's longest prefix, and the store's, from the prefix index) -> terms (each prefill
+candidate's transfer, queue and prefill; each decode candidate's TBT) -> choice (the policy picks
+the prefill instance, then the decode instance; a ``both`` instance decodes its own request) ->
+admission (TTFT with the prefill->decode KV shipment, and TBT, against the SLO) -> commit
+(reserve in the ledger, keep the explanation). A stage refuses by raising ``_Refused``.
 The live gateway and the discrete-event simulator run this very code.
 """
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import xxhash
@@ -20,14 +23,15 @@ from engines_adapters.sim.profiles import load_profile
 from predictors.analytic import ProfileBook, analytic_predictors
 from predictors.base import Predictors
 from predictors.telemetry import SLO
+from predictors.types import Role
 from scheduler import admission
-from scheduler.cost import DecisionContext, DecodeCandidate, PrefillCandidate, TermBook, Terms, best_holder
+from scheduler.cost import DecisionContext, DecodeCandidate, PrefillCandidate, TermBook, best_holder
 from scheduler.explain import DECODE_COLUMNS, PREFILL_COLUMNS, bare_record, decode_row, prefill_row, table
 from scheduler.hit_index import HitIndex
 from scheduler.ledger import Ledger, Reservation
 from scheduler.policies import POLICIES, PrefillChoice, make_policy
-from scheduler.types import (BAD_REQUEST, BOTH, INTERNAL, PREFILL, UNAVAILABLE, Instance, Placement, Rejection,
-                             RequestFacts)
+from scheduler.state import LoadLedger, PrefixIndex
+from scheduler.types import BAD_REQUEST, INTERNAL, UNAVAILABLE, Instance, Placement, Rejection, RequestFacts
 from scheduler.validation import check_facts
 
 #: Blocks of shared-store entries an instance may report beyond twice its device + host capacity.
@@ -44,7 +48,7 @@ class _Pools:
         self.prefill_max_len = max((max_len[i.id] for i in prefill), default=0)
         self.prefill_min_len = min((max_len[i.id] for i in prefill), default=0)
         self.decode_min_len = min((max_len[i.id] for i in decode), default=0)
-        self.prefill_only = any(i.role == PREFILL for i in prefill)
+        self.prefill_only = any(i.role == Role.PREFILL for i in prefill)
 
 
 class Scheduler:
@@ -53,7 +57,8 @@ class Scheduler:
     def __init__(self, instances: Iterable[Instance], *, policy: str = "conductor", slo: SLO = SLO(),
                  block_size: int = 16, clock: Callable[[], float] = time.monotonic,
                  predictors: Predictors | None = None, seed: int = 0, early_rejection: bool = False,
-                 keep_decisions: int = 1000, **policy_params: Any):
+                 keep_decisions: int = 1000, index: PrefixIndex | None = None, ledger: LoadLedger | None = None,
+                 **policy_params: Any):
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.policy = make_policy(policy, **policy_params)
@@ -63,8 +68,8 @@ class Scheduler:
         self.clock = clock
         self.seed = seed
         self.early_rejection = early_rejection
-        self.index = HitIndex(block_size)
-        self.ledger = Ledger()
+        self.index: PrefixIndex = index if index is not None else HitIndex(block_size)
+        self.ledger: LoadLedger = ledger if ledger is not None else Ledger()
         self.book = ProfileBook()
         self.predictors = predictors if predictors is not None else analytic_predictors(self.book)
         self.decisions: deque[dict[str, Any]] = deque(maxlen=max(0, keep_decisions))
@@ -221,112 +226,142 @@ class Scheduler:
         self.counts[key] = self.counts.get(key, 0) + 1
 
     def _decide(self, facts: Any, exclude: frozenset[str], commit: bool) -> Placement | Rejection:
+        """The stages in order; a stage that refuses raises :class:`_Refused`."""
         now = self.clock()
+        try:
+            self._validate(facts, now, commit)
+            ctx = DecisionContext(facts, now, self.block_size, self.predictors, self._rng_for(facts.request_id))
+            self._eligible(ctx, exclude)
+            self._cache_facts(ctx)
+            self._terms(ctx)
+            choice = self._choose(ctx)
+            verdict = self._admit(ctx, choice)
+        except _Refused as r:
+            return self._refuse(facts, r.status, r.reason, r.message, now, commit, r.record, r.retry_after_s)
+        return self._commit(ctx, choice, verdict, commit)
+
+    # --- stage 0: the request is well formed and new -------------------------------------
+    def _validate(self, facts: Any, now: float, commit: bool) -> None:
         bad = check_facts(facts, self.block_size)
         if bad is not None:
-            return self._refuse(facts, BAD_REQUEST, bad[0], bad[1], now, commit)
-        rid, prompt, max_tokens = facts.request_id, facts.prompt_tokens, facts.max_tokens
-        if commit and rid in self.ledger:
-            return self._refuse(facts, BAD_REQUEST, "duplicate_request_id",
-                                f"request {rid!r} already holds a reservation", now, commit)
+            raise _Refused(BAD_REQUEST, bad[0], bad[1])
+        if commit and facts.request_id in self.ledger:
+            raise _Refused(BAD_REQUEST, "duplicate_request_id",
+                           f"request {facts.request_id!r} already holds a reservation")
 
-        # candidates: healthy, not excluded, with room for prompt + output in their context
+    # --- stage 1: eligible candidates (healthy, not excluded, long enough a context) --------
+    def _eligible(self, ctx: DecisionContext, exclude: frozenset[str]) -> None:
+        facts = ctx.facts
         pools = self._pools(exclude)
         if not pools.prefill:
-            return self._refuse(facts, UNAVAILABLE, "no_healthy_prefill", "no healthy prefill instance", now, commit)
-        need = prompt + max_tokens
+            raise _Refused(UNAVAILABLE, "no_healthy_prefill", "no healthy prefill instance")
+        need = facts.prompt_tokens + facts.max_tokens
         if need > pools.prefill_max_len:
-            return self._refuse(facts, BAD_REQUEST, "prompt_too_long",
-                                f"{prompt} prompt + {max_tokens} output tokens exceed the "
-                                f"{pools.prefill_max_len}-token context", now, commit)
+            raise _Refused(BAD_REQUEST, "prompt_too_long",
+                           f"{facts.prompt_tokens} prompt + {facts.max_tokens} output tokens exceed the "
+                           f"{pools.prefill_max_len}-token context")
         decode_pool = pools.decode
         if need > pools.decode_min_len:
             decode_pool = [i for i in decode_pool if self._max_len[i.id] >= need]
         prefill_pool = pools.prefill
         if need > pools.prefill_min_len or (not decode_pool and pools.prefill_only):
-            prefill_pool = [i for i in prefill_pool if self._max_len[i.id] >= need and (i.role == BOTH or decode_pool)]
+            prefill_pool = [i for i in prefill_pool
+                            if self._max_len[i.id] >= need and (i.role == Role.BOTH or decode_pool)]
         if not prefill_pool:
-            return self._refuse(facts, UNAVAILABLE, "no_healthy_decode",
-                                "no healthy decode instance for a prefill-only instance", now, commit)
+            raise _Refused(UNAVAILABLE, "no_healthy_decode", "no healthy decode instance for a prefill-only instance")
+        ctx.prefill_pool, ctx.decode_pool = prefill_pool, decode_pool
 
-        # cache facts: an engine never reuses the block holding the prompt's last token
-        usable = min(len(facts.block_hashes), (prompt - 1) // self.block_size)
+    # --- stage 2: cache facts (longest prefix per instance and in the store) ---------------
+    def _cache_facts(self, ctx: DecisionContext) -> None:
+        facts = ctx.facts
+        usable = min(len(facts.block_hashes), (facts.prompt_tokens - 1) // self.block_size)  # never the last token's block
         try:
-            match = self.index.match(facts.block_hashes, usable)
+            ctx.match = self.index.match(facts.block_hashes, usable)
         except TypeError:
-            return self._refuse(facts, BAD_REQUEST, "bad_block_hashes", "block hashes must be integers", now, commit)
+            raise _Refused(BAD_REQUEST, "bad_block_hashes", "block hashes must be integers") from None
+        ctx.store_blocks = ctx.match.store
 
-        bs, pred, ledger = self.block_size, self.predictors, self.ledger
-        book = TermBook(prompt, bs, match.store, pred)
+    # --- stage 3: every candidate's predicted terms ------------------------------------------
+    def _terms(self, ctx: DecisionContext) -> None:
+        pred, ledger, now, match = self.predictors, self.ledger, ctx.now, ctx.match
+        book = ctx.terms = TermBook(ctx.facts.prompt_tokens, self.block_size, ctx.store_blocks, pred)
         queue_time, group = pred.queue.queue_time, self._group
         dev, loc = match.device, match.local
-        prefill: list[PrefillCandidate] = []
-        for i in prefill_pool:
+        prefill = ctx.prefill
+        for i in ctx.prefill_pool:
             state, active = ledger.prefill_view(i.id, now)
             c = PrefillCandidate(i.id, i.role, dev.get(i.id, 0), loc.get(i.id, 0), state, queue_time(state),
                                  active, group[i.id])
             c.local = book.local(c)
             prefill.append(c)
-        decode = self._decode_candidates(decode_pool, facts, now, None)
-        ctx = DecisionContext(facts, now, bs, prefill, match.store, pred, book, self._rng_for(rid),
-                              self.policy.params, decode, *best_holder(prefill, match.store))
+        ctx.decode = self._decode_candidates(ctx.decode_pool, ctx.facts, now, None)
+        ctx.holder, ctx.holder_blocks = best_holder(prefill, ctx.store_blocks)
 
+    # --- stage 4: the policy's choice of prefill, then decode ----------------------------
+    def _choose(self, ctx: DecisionContext) -> _Choice:
         pc = self.policy.choose_prefill(ctx)
         p, terms = pc.candidate, pc.terms
-        prefill_done_at = now + p.ttft(terms)
+        prefill_done_at = ctx.now + p.ttft(terms)
         if self.early_rejection:  # decode load predicted when this prefill finishes (Mooncake §7.4)
-            ctx.decode = self._decode_candidates(decode_pool, facts, now, prefill_done_at)
-        chose_decode = p.role != BOTH
-        if chose_decode:
+            ctx.decode = self._decode_candidates(ctx.decode_pool, ctx.facts, ctx.now, prefill_done_at)
+        if p.role != Role.BOTH:
             dc = self.policy.choose_decode(ctx, p)
-            d, decode_why, decode_scores = dc.candidate, dc.why, dc.scores
-        else:
-            d = next((x for x in ctx.decode if x.id == p.id), None)
-            if d is None:
-                d = self._decode_candidates([self._instances[p.id]], facts, now,
-                                            prefill_done_at if self.early_rejection else None)[0]
-            decode_why, decode_scores = "a 'both' instance decodes what it prefilled", {}
-        kv_s = pred.transfer.transfer_time(prompt, p.id, d.id) if d.id != p.id else 0.0
-        ttft = terms.transfer_s + p.queue_s + terms.prefill_s + kv_s
-        slo = admission.resolve_slo(self.slo, facts.slo)
-        floor = None  # the best TTFT any candidate could give once its queue drains
-        if slo.ttft_s is not None and ttft > slo.ttft_s:
-            rows = pc.rows or {}
-            floor = min(c.ttft(rows.get(c.id, c.local)) - c.queue_s for c in ctx.prefill) + kv_s
-        ttft_verdict = admission.check_ttft(ttft, p.queue_s, slo.ttft_s, floor)
-        departures, at = [], now
-        if slo.tbt_s is not None and d.tbt_s > slo.tbt_s:
-            departures = ledger.decode_departures(d.id)
-            if self.early_rejection:  # d.state is the load at prefill_done_at: count from there
-                at = prefill_done_at
-                departures = [r for r in departures if r.decode_start_s <= at < r.decode_end_s]
-        tbt_verdict = admission.check_tbt(d.tbt_s, slo.tbt_s, d.state, departures, prompt, max_tokens, pred, at)
-        verdict = ttft_verdict or tbt_verdict
-        replication = None
-        if terms.transfer_from is not None and terms.transfer_tokens > 0:
-            replication = {"source": terms.transfer_from, "destination": p.id, "tokens": terms.transfer_tokens,
-                           "blocks": [p.local_blocks, terms.hit_tokens // bs]}
-        record = self._record(ctx, pc, d, decode_scores, decode_why, terms, kv_s, ttft, slo, replication,
-                              [v for v in (ttft_verdict, tbt_verdict) if v is not None])
-        if verdict is not None:
-            return self._refuse(facts, verdict.status, verdict.reason, verdict.message, now, commit, record,
-                                verdict.retry_after_s)
+            return _Choice(pc, dc.candidate, dc.why, dc.scores, True, prefill_done_at)
+        d = next((x for x in ctx.decode if x.id == p.id), None)
+        if d is None:
+            d = self._decode_candidates([self._instances[p.id]], ctx.facts, ctx.now,
+                                        prefill_done_at if self.early_rejection else None)[0]
+        return _Choice(pc, d, "a 'both' instance decodes what it prefilled", {}, False, prefill_done_at)
 
-        now_state = ledger.decode_state(d.id, now) if self.early_rejection else d.state
+    # --- stage 5: admission against the SLO ----------------------------------------------
+    def _admit(self, ctx: DecisionContext, ch: _Choice) -> admission.Verdict | None:
+        facts, p, d, terms = ctx.facts, ch.prefill.candidate, ch.decode, ch.prefill.terms
+        ch.kv_s = self.predictors.transfer.transfer_time(facts.prompt_tokens, p.id, d.id) if d.id != p.id else 0.0
+        ch.ttft = terms.transfer_s + p.queue_s + terms.prefill_s + ch.kv_s
+        slo = ch.slo = admission.resolve_slo(self.slo, facts.slo)
+        floor = None  # the best TTFT any candidate could give once its queue drains
+        if slo.ttft_s is not None and ch.ttft > slo.ttft_s:
+            rows = ch.prefill.rows or {}
+            floor = min(c.ttft(rows.get(c.id, c.local)) - c.queue_s for c in ctx.prefill) + ch.kv_s
+        ttft_verdict = admission.check_ttft(ch.ttft, p.queue_s, slo.ttft_s, floor)
+        departures, at = [], ctx.now
+        if slo.tbt_s is not None and d.tbt_s > slo.tbt_s:
+            departures = self.ledger.decode_departures(d.id)
+            if self.early_rejection:  # d.state is the load at prefill_done_at: count from there
+                at = ch.prefill_done_at
+                departures = [r for r in departures if r.decode_start_s <= at < r.decode_end_s]
+        tbt_verdict = admission.check_tbt(d.tbt_s, slo.tbt_s, d.state, departures, facts.prompt_tokens,
+                                          facts.max_tokens, self.predictors, at)
+        ch.violations = [v for v in (ttft_verdict, tbt_verdict) if v is not None]
+        record = self._record(ctx, ch)
+        verdict = ttft_verdict or tbt_verdict
+        if verdict is not None:
+            raise _Refused(verdict.status, verdict.reason, verdict.message, record, verdict.retry_after_s)
+        ch.record = record
+        return None
+
+    # --- stage 6: reserve in the ledger and keep the explanation --------------------------
+    def _commit(self, ctx: DecisionContext, ch: _Choice, verdict: None, commit: bool) -> Placement:
+        facts, p, d, terms = ctx.facts, ch.prefill.candidate, ch.decode, ch.prefill.terms
+        rid, now = facts.request_id, ctx.now
+        now_state = self.ledger.decode_state(d.id, now) if self.early_rejection else d.state
         placement = Placement(
             request_id=rid, prefill=p.id, decode=d.id, hit_tokens=terms.hit_tokens,
             local_hit_tokens=terms.local_hit_tokens, transfer_tokens=terms.transfer_tokens,
             transfer_from=terms.transfer_from, queue_s=p.queue_s, prefill_s=terms.prefill_s,
-            transfer_s=terms.transfer_s, ttft_s=ttft, tbt_s=d.tbt_s, queue_tokens=p.state.queued_tokens,
+            transfer_s=terms.transfer_s, ttft_s=ch.ttft, tbt_s=d.tbt_s, queue_tokens=p.state.queued_tokens,
             queue_requests=p.state.queued_requests, decode_running=now_state.running,
-            decode_kv_tokens=now_state.kv_tokens, explanation=record, kv_transfer_s=kv_s, policy=self.policy_name)
+            decode_kv_tokens=now_state.kv_tokens, explanation=ch.record, kv_transfer_s=ch.kv_s,
+            policy=self.policy_name)
         if commit:
-            decode_start = now + ttft
-            self.policy.placed(ctx, p.id, d.id, chose_decode)  # first: if it raises, nothing is held
-            ledger.reserve(Reservation(rid, p.id, d.id, prompt - terms.hit_tokens, terms.prefill_s, need, now,
-                                       decode_start, decode_start + max(1, max_tokens) * d.tbt_s), now)
+            decode_start = now + ch.ttft
+            need = facts.prompt_tokens + facts.max_tokens
+            self.policy.placed(ctx, p.id, d.id, ch.chose_decode)  # first: if it raises, nothing is held
+            self.ledger.reserve(Reservation(rid, p.id, d.id, facts.prompt_tokens - terms.hit_tokens, terms.prefill_s,
+                                            need, now, decode_start,
+                                            decode_start + max(1, facts.max_tokens) * d.tbt_s), now)
             self.counts["placed"] += 1
-            self.decisions.append(record)
+            self.decisions.append(ch.record)
         return placement
 
     def _decode_candidates(self, pool: list[Instance], facts: RequestFacts, now: float,
@@ -345,12 +380,15 @@ class Scheduler:
         return random.Random(xxhash.xxh3_64_intdigest(request_id.encode("utf-8", "surrogatepass"),
                                                       self.seed & 0xFFFF_FFFF_FFFF_FFFF))
 
-    def _record(self, ctx: DecisionContext, pc: PrefillChoice, d: DecodeCandidate, decode_scores: dict[str, float],
-                decode_why: str,
-                terms: Terms, kv_s: float, ttft: float, slo: SLO, replication: dict | None,
-                violations: list) -> dict[str, Any]:
+    def _record(self, ctx: DecisionContext, ch: _Choice) -> dict[str, Any]:
+        pc, d, terms, slo, violations = ch.prefill, ch.decode, ch.prefill.terms, ch.slo, ch.violations
         rows = pc.rows or {}
         scores = pc.scores
+        replication = None
+        if terms.transfer_from is not None and terms.transfer_tokens > 0:
+            replication = {"source": terms.transfer_from, "destination": pc.candidate.id,
+                           "tokens": terms.transfer_tokens,
+                           "blocks": [pc.candidate.local_blocks, terms.hit_tokens // ctx.block_size]}
         return {
             "request_id": ctx.facts.request_id, "policy": self.policy_name, "score": self.policy.score_name,
             "time_s": ctx.now, "outcome": "rejected" if violations else "placed",
@@ -360,16 +398,42 @@ class Scheduler:
             "best_holder": {"id": ctx.holder, "hit_tokens": ctx.holder_blocks * ctx.block_size},
             "prefill": table(PREFILL_COLUMNS, [prefill_row(c, rows.get(c.id, c.local), scores.get(c.id))
                                                for c in ctx.prefill]),
-            "decode": table(DECODE_COLUMNS, [decode_row(x, decode_scores.get(x.id)) for x in ctx.decode]),
+            "decode": table(DECODE_COLUMNS, [decode_row(x, ch.decode_scores.get(x.id)) for x in ctx.decode]),
             "chosen": {"prefill": pc.candidate.id, "decode": d.id},
             "terms": {"hit_tokens": terms.hit_tokens, "local_hit_tokens": terms.local_hit_tokens,
                       "transfer_tokens": terms.transfer_tokens, "transfer_from": terms.transfer_from,
                       "transfer_s": terms.transfer_s, "queue_s": pc.candidate.queue_s, "prefill_s": terms.prefill_s,
-                      "kv_transfer_s": kv_s, "ttft_s": ttft, "tbt_s": d.tbt_s},
-            "why": {"prefill": pc.why, "decode": decode_why, **({"extra": pc.extra} if pc.extra else {})},
+                      "kv_transfer_s": ch.kv_s, "ttft_s": ch.ttft, "tbt_s": d.tbt_s},
+            "why": {"prefill": pc.why, "decode": ch.decode_why, **({"extra": pc.extra} if pc.extra else {})},
             "replication": replication,
             "reason": violations[0].reason if violations else None,
             "violations": [{"reason": v.reason, "message": v.message, "retry_after_s": v.retry_after_s}
                            for v in violations],
         }
 
+
+class _Refused(Exception):
+    """A stage's refusal: carried to ``_refuse`` (with the record when candidates were weighed)."""
+
+    def __init__(self, status: int, reason: str, message: str, record: dict[str, Any] | None = None,
+                 retry_after_s: float | None = None):
+        super().__init__(message)
+        self.status, self.reason, self.message = status, reason, message
+        self.record, self.retry_after_s = record, retry_after_s
+
+
+@dataclass(slots=True)
+class _Choice:
+    """The policy's pair and what admission adds to it (TTFT with the KV shipment, verdicts)."""
+
+    prefill: PrefillChoice
+    decode: DecodeCandidate
+    decode_why: str
+    decode_scores: dict[str, float]
+    chose_decode: bool  # False when a "both" instance decodes its own request
+    prefill_done_at: float
+    kv_s: float = 0.0
+    ttft: float = 0.0
+    slo: SLO = field(default_factory=SLO)
+    violations: list[admission.Verdict] = field(default_factory=list)
+    record: dict[str, Any] = field(default_factory=dict)

@@ -5,12 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from predictors.telemetry import SLO
-
-PREFILL, DECODE, BOTH = "prefill", "decode", "both"
-ROLES = (PREFILL, DECODE, BOTH)
-
-#: Transfer source naming the shared KV store (Mooncake Store) rather than an instance.
-STORE = "store"
+from predictors.types import Role, Tier, parse_role
 
 # Rejection statuses (HTTP): over SLO, nothing healthy to run on, malformed request, our bug.
 OVER_SLO, UNAVAILABLE, BAD_REQUEST, INTERNAL = 429, 503, 400, 500
@@ -21,23 +16,25 @@ class Instance:
     """One engine the scheduler may place work on. ``both`` prefills and decodes (aggregated)."""
 
     id: str
-    role: str
+    role: Role
     profile: str = "llama3-8b-h200"
     healthy: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.id, str) or not self.id or self.id == STORE:
-            raise ValueError(f"instance id must be a non-empty string other than {STORE!r}, got {self.id!r}")
-        if self.role not in ROLES:
-            raise ValueError(f"instance {self.id!r}: role must be one of {ROLES}, got {self.role!r}")
+        if not isinstance(self.id, str) or not self.id or self.id in (Tier.STORE, Tier.HOST):
+            raise ValueError(f"instance id must be a non-empty string other than 'store' or 'host', got {self.id!r}")
+        try:
+            object.__setattr__(self, "role", parse_role(self.role))
+        except ValueError as e:
+            raise ValueError(f"instance {self.id!r}: {e}") from None
 
     @property
     def prefills(self) -> bool:
-        return self.role != DECODE
+        return self.role.prefills
 
     @property
     def decodes(self) -> bool:
-        return self.role != PREFILL
+        return self.role.decodes
 
 
 @dataclass(slots=True)

@@ -5,7 +5,8 @@ from hypothesis import given, strategies as st
 from engines_adapters.sim.profiles import load_profile
 from predictors.analytic import (AnalyticPrefill, AnalyticQueue, AnalyticTBT, AnalyticTransfer, ProfileBook,
                                  analytic_predictors)
-from predictors.base import (HOST, STORE, DecodeState, PrefillPredictor, PrefillState, QueuePredictor, TBTPredictor,
+from predictors.types import Tier
+from predictors.base import (DecodeState, PrefillPredictor, PrefillState, QueuePredictor, TBTPredictor,
                              TransferPredictor)
 
 BOOK = ProfileBook({"small": "llama3-8b-h200", "big": "llama3-70b-a800x8"})
@@ -45,17 +46,17 @@ def test_transfer_is_latency_plus_bytes_over_bandwidth():
     big = load_profile("llama3-70b-a800x8")
     assert big.kv_bytes_per_token == 327_680  # Mooncake's 320 KB per token for LLaMA3-70B
     lat = big.efficiency["transfer_latency_ms"] / 1e3
-    assert t(1000, STORE, "big") == pytest.approx(lat + 1000 * big.kv_bytes_per_token / big.net_bytes_per_s)
+    assert t(1000, Tier.STORE, "big") == pytest.approx(lat + 1000 * big.kv_bytes_per_token / big.net_bytes_per_s)
     # linear in tokens
-    assert t(4000, STORE, "big") - t(2000, STORE, "big") == pytest.approx(t(2000, STORE, "big") - lat)
+    assert t(4000, Tier.STORE, "big") - t(2000, Tier.STORE, "big") == pytest.approx(t(2000, Tier.STORE, "big") - lat)
     # host-tier loads use host bandwidth; instance to instance the slower NIC
     host_bw = big.hardware["host_gbps"] * 1e9
-    assert t(1000, HOST, "big") == pytest.approx(lat + 1000 * big.kv_bytes_per_token / host_bw)
+    assert t(1000, Tier.HOST, "big") == pytest.approx(lat + 1000 * big.kv_bytes_per_token / host_bw)
     small = load_profile("llama3-8b-h200")
     assert t(1000, "big", "small") == pytest.approx(
         max(lat, small.efficiency["transfer_latency_ms"] / 1e3)
         + 1000 * small.kv_bytes_per_token / min(small.net_bytes_per_s, big.net_bytes_per_s))
-    assert t(1000, "small", "small") == 0.0 and t(0, STORE, "small") == 0.0
+    assert t(1000, "small", "small") == 0.0 and t(0, Tier.STORE, "small") == 0.0
 
 
 def test_tbt_grows_with_batch_and_kv_and_respects_the_memory_roofline():

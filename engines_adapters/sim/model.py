@@ -22,6 +22,7 @@ import math
 import random
 from collections import deque
 
+from predictors.types import ROLES
 from scheduler.hashing import block_hashes, digest_to_int, vllm_block_digests, vllm_none_hash
 
 from ..kv_wire import MEDIUM_GPU, BlockStored
@@ -31,7 +32,6 @@ from .records import EngineStats, Finished, FirstToken, HeldKV, SimRequest, Step
 from .text import OutputSampler
 from .timing import StepTimer
 
-ROLES = ("prefill", "decode", "both")
 __all__ = ["ROLES", "EngineModel", "EngineStats", "Finished", "FirstToken", "HeldKV", "SimRequest", "StepResult"]
 
 # request states

@@ -7,12 +7,13 @@ Each choice carries the policy's own score per candidate and a one-line reason.
 """
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-
+import dataclasses
 import math
 import random
+import typing
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Sequence, TypeVar
+from typing import Any, Callable, ClassVar, Literal, Sequence, TypeVar
 
 from scheduler.cost import DecisionContext, DecodeCandidate, PrefillCandidate, Terms
 
@@ -36,20 +37,68 @@ class DecodeChoice:
     why: str
 
 
+@dataclass(frozen=True)
+class NoParams:
+    """A policy without parameters."""
+
+
+def _coerce(name: str, hint: Any, value: Any) -> Any:
+    """``value`` as the field's declared type: native values pass type-checked, and strings
+    (from ``--policy-param k=v``) are parsed. ValueError names the parameter."""
+    if typing.get_origin(hint) is Literal:
+        choices = typing.get_args(hint)
+        if value not in choices:
+            raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+        return value
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+            return value.lower() in ("true", "1", "yes", "on")
+        raise ValueError(f"{name} must be true or false, got {value!r}")
+    if hint in (int, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise ValueError(f"{name} must be a number, got {value!r}")
+        try:
+            v = hint(value)
+        except ValueError:
+            raise ValueError(f"{name} must be {'an integer' if hint is int else 'a number'}, got {value!r}") from None
+        if hint is int and isinstance(value, float) and v != value:
+            raise ValueError(f"{name} must be an integer, got {value!r}")
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ValueError(f"{name} must be finite, got {value!r}")
+        return v
+    return value  # str and other types: taken as given
+
+
+def parse_params(cls: type, raw: dict[str, Any], policy: str) -> Any:
+    """Build a policy's parameter dataclass from raw values (TOML natives or CLI strings)."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = set(raw) - set(fields)
+    if unknown:
+        raise ValueError(f"policy {policy!r} has no parameter(s) {sorted(unknown)}; known: {sorted(fields) or 'none'}")
+    hints = typing.get_type_hints(cls)
+    try:
+        return cls(**{k: _coerce(k, hints[k], v) for k, v in raw.items()})
+    except ValueError as e:
+        raise ValueError(f"policy {policy!r}: {e}") from None
+
+
 class Policy(ABC):
-    """Base class: parameters with defaults, validated at construction."""
+    """Base class: typed parameters (a frozen dataclass ``Params``), validated at construction."""
 
     name: ClassVar[str] = ""
     source: ClassVar[str] = ""  # where the rule comes from
     score_name: ClassVar[str] = "score"  # what ``scores`` hold (lower wins unless said)
-    defaults: ClassVar[dict[str, Any]] = {}
+    Params: ClassVar[type] = NoParams
 
     def __init__(self, **params: Any):
-        unknown = set(params) - set(self.defaults)
-        if unknown:
-            raise ValueError(f"policy {self.name!r} has no parameter(s) {sorted(unknown)}; "
-                             f"known: {sorted(self.defaults) or 'none'}")
-        self.params = {**self.defaults, **params}
+        self.params = parse_params(self.Params, params, self.name)
+
+    @classmethod
+    def parameters(cls) -> dict[str, Any]:
+        """Parameter names and their defaults (for --help and docs)."""
+        return {f.name: f.default for f in dataclasses.fields(cls.Params)}
 
     @abstractmethod
     def choose_prefill(self, ctx: DecisionContext) -> PrefillChoice:

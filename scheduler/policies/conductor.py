@@ -12,35 +12,43 @@ lowest predicted TBT once this request joins.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
 from scheduler.cost import DecisionContext, PrefillCandidate, Terms
 from scheduler.policies.base import DecodeChoice, Policy, PrefillChoice, argmin, runner_up
-from scheduler.types import BOTH, PREFILL, STORE
+from predictors.types import Role, Tier
+
+
+@dataclass(frozen=True)
+class ConductorParams:
+    pull_rule: Literal["direct", "ratio"] = "direct"
+    balancing_threshold: float = 2.0  # the ratio rule's threshold
+    # False: only the shared store is a source to pull from (engines that cannot fetch a prefix
+    # from another prefill instance, e.g. vLLM's two-step PD without a shared KV store)
+    peer_pull: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.balancing_threshold > 0:
+            raise ValueError("balancing_threshold must be > 0")
 
 
 class ConductorPolicy(Policy):
     name = "conductor"
     source = "Mooncake FAST'25 Algorithm 1 (KVCache-centric scheduling); direct pull rule from its text"
     score_name = "ttft_s"
-    # peer_pull=False: only the shared store is a source to pull from (engines that cannot fetch a
-    # prefix from another prefill instance, e.g. vLLM's two-step PD without a shared KV store)
-    defaults = {"pull_rule": "direct", "balancing_threshold": 2.0, "peer_pull": True}
-
-    def __init__(self, **params):
-        super().__init__(**params)
-        if self.params["pull_rule"] not in ("direct", "ratio"):
-            raise ValueError(f"pull_rule must be 'direct' or 'ratio', got {self.params['pull_rule']!r}")
-        if not self.params["balancing_threshold"] > 0:
-            raise ValueError("balancing_threshold must be > 0")
+    Params = ConductorParams
+    params: ConductorParams
 
     def _pulls(self, c: PrefillCandidate, pull: Terms, recompute: Terms, best_blocks: int) -> bool:
-        if self.params["pull_rule"] == "ratio":
-            return c.local_blocks == 0 or best_blocks / c.local_blocks > self.params["balancing_threshold"]
+        if self.params.pull_rule == "ratio":
+            return c.local_blocks == 0 or best_blocks / c.local_blocks > self.params.balancing_threshold
         return pull.cache_s < recompute.cache_s  # the transfer costs less than the prefill it saves
 
     def choose_prefill(self, ctx: DecisionContext) -> PrefillChoice:
         holder, best_blocks = ctx.holder, ctx.holder_blocks
-        if holder not in (None, STORE) and not self.params["peer_pull"]:
-            holder, best_blocks = (STORE, ctx.store_blocks) if ctx.store_blocks else (None, 0)
+        if holder not in (None, Tier.STORE) and not self.params.peer_pull:
+            holder, best_blocks = (Tier.STORE, ctx.store_blocks) if ctx.store_blocks else (None, 0)
         book = ctx.terms
         rows: dict[str, Terms] = {}
         chosen: dict[tuple, Terms] = {}  # the way to serve depends only on (group, prefix facts)
@@ -65,7 +73,7 @@ class ConductorPolicy(Policy):
         if t.transfer_from is not None and t.transfer_tokens:
             why += f"; pulls {t.transfer_tokens} tokens from {t.transfer_from} (replicates the prefix)"
         extra = {"best_holder": holder, "best_hit_tokens": best_blocks * ctx.block_size,
-                 "pull_rule": self.params["pull_rule"], "peer_pull": self.params["peer_pull"]}
+                 "pull_rule": self.params.pull_rule, "peer_pull": self.params.peer_pull}
         return PrefillChoice(winner, t, scores, why, rows, extra)
 
     @staticmethod
@@ -76,11 +84,11 @@ class ConductorPolicy(Policy):
         change the argmin, so it is added after the decode choice instead.
         """
         roles = {c.role for c in ctx.prefill}
-        if not (BOTH in roles and PREFILL in roles) or not ctx.decode:
+        if not (Role.BOTH in roles and Role.PREFILL in roles) or not ctx.decode:
             return {}
         ref = ctx.decode[0].id
         ship = ctx.predictors.transfer.transfer_time
-        return {c.id: ship(ctx.prompt_tokens, c.id, ref) for c in ctx.prefill if c.role == PREFILL}
+        return {c.id: ship(ctx.prompt_tokens, c.id, ref) for c in ctx.prefill if c.role == Role.PREFILL}
 
     def choose_decode(self, ctx: DecisionContext, prefill: PrefillCandidate) -> DecodeChoice:
         scores = {d.id: d.tbt_s for d in ctx.decode}

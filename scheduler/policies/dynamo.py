@@ -19,35 +19,50 @@ Our shared store plays Dynamo's shared cache; instances have no private disk tie
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from scheduler.cost import DecisionContext, PrefillCandidate
 from scheduler.policies.base import DecodeChoice, Policy, PrefillChoice, argmin, runner_up, softmax_pick
-from scheduler.types import BOTH
+from predictors.types import Role
+
+
+@dataclass(frozen=True)
+class DynamoParams:
+    overlap_score_credit: float = 1.0
+    prefill_load_scale: float = 1.0
+    host_cache_hit_weight: float = 0.75
+    disk_cache_hit_weight: float = 0.25
+    shared_cache_multiplier: float = 0.0
+    decode_active_request_weight: float = 0.0
+    router_temperature: float = 0.0  # 0: argmin; > 0: softmax sampling
+
+    def __post_init__(self) -> None:
+        if self.router_temperature < 0:
+            raise ValueError("router_temperature must be >= 0")
 
 
 class DynamoCostPolicy(Policy):
     name = "dynamo_cost"
     source = "NVIDIA Dynamo KV router worker_logit (lib/kv-router/src/scheduling/selector/default.rs)"
     score_name = "cost_blocks"
-    defaults = {"overlap_score_credit": 1.0, "prefill_load_scale": 1.0, "host_cache_hit_weight": 0.75,
-                "disk_cache_hit_weight": 0.25, "shared_cache_multiplier": 0.0,
-                "decode_active_request_weight": 0.0, "router_temperature": 0.0}
+    Params = DynamoParams
+    params: DynamoParams
 
     def prefill_cost(self, c: PrefillCandidate, ctx: DecisionContext, decode_kv_tokens: int = 0) -> float:
         p, bs, prompt = self.params, ctx.block_size, ctx.prompt_tokens
         raw = (c.state.queued_tokens + prompt) / bs
         host = c.local_blocks - c.device_blocks
         shared_beyond = max(0, ctx.store_blocks - c.device_blocks)
-        credit = (p["overlap_score_credit"] * c.device_blocks + p["host_cache_hit_weight"] * host
-                  + p["disk_cache_hit_weight"] * 0 + p["shared_cache_multiplier"] * shared_beyond)
+        credit = (p.overlap_score_credit * c.device_blocks + p.host_cache_hit_weight * host
+                  + p.disk_cache_hit_weight * 0 + p.shared_cache_multiplier * shared_beyond)
         decode_blocks = 0.0
-        if c.role == BOTH:  # aggregated worker: its decode blocks count too
+        if c.role == Role.BOTH:  # aggregated worker: its decode blocks count too
             decode_blocks = math.ceil(decode_kv_tokens / bs) + math.ceil(prompt / bs)
-        return (p["prefill_load_scale"] * max(0.0, raw - credit) + decode_blocks
-                + p["decode_active_request_weight"] * c.active)
+        return (p.prefill_load_scale * max(0.0, raw - credit) + decode_blocks
+                + p.decode_active_request_weight * c.active)
 
     def _pick(self, items, costs, ctx):
-        t = self.params["router_temperature"]
+        t = self.params.router_temperature
         if t > 0:
             return softmax_pick(items, costs, t, ctx.rng)
         by_id = dict(zip((x.id for x in items), costs))
@@ -61,7 +76,7 @@ class DynamoCostPolicy(Policy):
         return PrefillChoice(c, c.local, scores, f"lowest cost {scores[c.id]:.4g} blocks{runner_up(scores, c.id)}")
 
     def choose_decode(self, ctx: DecisionContext, prefill: PrefillCandidate) -> DecodeChoice:
-        bs, w = ctx.block_size, self.params["decode_active_request_weight"]
+        bs, w = ctx.block_size, self.params.decode_active_request_weight
         new_blocks = math.ceil(ctx.prompt_tokens / bs)
         costs = [math.ceil(d.state.kv_tokens / bs) + new_blocks + w * d.state.running for d in ctx.decode]
         d = self._pick(ctx.decode, costs, ctx)

@@ -18,6 +18,9 @@ leaves periodically). ``match_source="index"`` swaps the history for the KV-even
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
 from scheduler.cost import DecisionContext, PrefillCandidate
 from scheduler.policies.base import DecodeChoice, Policy, PrefillChoice, argmin
 
@@ -54,18 +57,29 @@ class RoutingHistory:
                 del owner[h]
 
 
+@dataclass(frozen=True)
+class SGLangParams:
+    cache_threshold: float = 0.3
+    balance_abs_threshold: int = 64
+    balance_rel_threshold: float = 1.5
+    match_source: Literal["history", "index"] = "history"
+    max_tree_blocks: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        if self.max_tree_blocks <= 0:
+            raise ValueError("max_tree_blocks must be positive")
+
+
 class SGLangCacheAwarePolicy(Policy):
     name = "sglang_cache_aware"
     source = "SGLang Model Gateway cache_aware (sgl-router / smg cache_aware.rs), decode least-loaded"
     score_name = "in_flight_requests"
-    defaults = {"cache_threshold": 0.3, "balance_abs_threshold": 64, "balance_rel_threshold": 1.5,
-                "match_source": "history", "max_tree_blocks": 1 << 20}
+    Params = SGLangParams
+    params: SGLangParams
 
     def __init__(self, **params):
         super().__init__(**params)
-        if self.params["match_source"] not in ("history", "index"):
-            raise ValueError("match_source must be 'history' or 'index'")
-        self.history = RoutingHistory(int(self.params["max_tree_blocks"]))
+        self.history = RoutingHistory(self.params.max_tree_blocks)
 
     def choose_prefill(self, ctx: DecisionContext) -> PrefillChoice:
         p = self.params
@@ -73,24 +87,24 @@ class SGLangCacheAwarePolicy(Policy):
         scores = {k: float(v) for k, v in loads.items()}
         lo, hi = min(loads.values()), max(loads.values())
         least = argmin(ctx.prefill, key=lambda c: c.active)
-        if hi - lo > p["balance_abs_threshold"] and hi > lo * p["balance_rel_threshold"]:
+        if hi - lo > p.balance_abs_threshold and hi > lo * p.balance_rel_threshold:
             return PrefillChoice(least, least.local, scores, f"load imbalanced (max {hi}, min {lo}): least loaded")
         matched, tenant = self._match(ctx)
         rate = matched * ctx.block_size / ctx.prompt_tokens
         extra = {"match_rate": rate, "matched_instance": tenant}
-        if rate > p["cache_threshold"]:
+        if rate > p.cache_threshold:
             chosen = next((c for c in ctx.prefill if c.id == tenant), None)
             if chosen is None:  # matched worker gone or unhealthy: SGLang falls back to the first healthy
                 chosen = ctx.prefill[0]
                 return PrefillChoice(chosen, chosen.local, scores, f"matched {tenant} is unavailable: first healthy",
                                      extra=extra)
             return PrefillChoice(chosen, chosen.local, scores,
-                                 f"match rate {rate:.2f} > {p['cache_threshold']}: cache affinity", extra=extra)
+                                 f"match rate {rate:.2f} > {p.cache_threshold}: cache affinity", extra=extra)
         return PrefillChoice(least, least.local, scores,
-                             f"match rate {rate:.2f} <= {p['cache_threshold']}: least loaded", extra=extra)
+                             f"match rate {rate:.2f} <= {p.cache_threshold}: least loaded", extra=extra)
 
     def _match(self, ctx: DecisionContext) -> tuple[int, str | None]:
-        if self.params["match_source"] == "history":
+        if self.params.match_source == "history":
             return self.history.match(ctx.facts.block_hashes)
         best = argmin(ctx.prefill, key=lambda c: -c.local_blocks)
         return (best.local_blocks, best.id) if best.local_blocks else (0, None)
@@ -101,5 +115,5 @@ class SGLangCacheAwarePolicy(Policy):
                             f"least loaded decode ({d.state.running} in flight)")
 
     def placed(self, ctx: DecisionContext, prefill: str, decode: str, chose_decode: bool) -> None:
-        if self.params["match_source"] == "history":
+        if self.params.match_source == "history":
             self.history.insert(ctx.facts.block_hashes, prefill)
