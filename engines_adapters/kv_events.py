@@ -33,6 +33,26 @@ class HitIndexSink(Protocol):
     def drop_instance(self, instance_id: str) -> None: ...
 
 
+def apply_events(sink: HitIndexSink, instance_id: str, events: list) -> int:
+    """Apply one batch of decoded KV events to the hit index; returns how many it ignored.
+    The live subscriber and the virtual-time simulator both feed the index through here."""
+    ignored = 0
+    for ev in events:
+        if isinstance(ev, BlockStored):
+            ok = sink.block_stored(instance_id, list(ev.block_hashes), ev.parent_block_hash, list(ev.token_ids),
+                                   ev.block_size, ev.medium)
+        elif isinstance(ev, BlockRemoved):
+            ok = sink.block_removed(instance_id, list(ev.block_hashes), ev.medium)
+        elif isinstance(ev, AllBlocksCleared):
+            sink.all_cleared(instance_id)
+            ok = True
+        else:
+            ok = False
+        if ok is False:
+            ignored += 1
+    return ignored
+
+
 def subscriber_address(endpoint: str, engine_url: str) -> str:
     """Where our side connects when the engine binds a wildcard: the engine's own host."""
     if endpoint.startswith(("ipc://", "inproc://")):
@@ -195,18 +215,5 @@ class KVEventSubscriber:
             return
         self.stats.last_seq = seq
         self.stats.batches += 1
-        sink, iid = self.sink, self.instance_id
-        for ev in events:
-            self.stats.events += 1
-            if isinstance(ev, BlockStored):
-                ok = sink.block_stored(iid, list(ev.block_hashes), ev.parent_block_hash, list(ev.token_ids),
-                                       ev.block_size, ev.medium)
-            elif isinstance(ev, BlockRemoved):
-                ok = sink.block_removed(iid, list(ev.block_hashes), ev.medium)
-            elif isinstance(ev, AllBlocksCleared):
-                sink.all_cleared(iid)
-                ok = True
-            else:
-                ok = False
-            if ok is False:
-                self.stats.ignored += 1
+        self.stats.events += len(events)
+        self.stats.ignored += apply_events(self.sink, self.instance_id, events)

@@ -1,0 +1,174 @@
+"""A simulated P/D cluster in virtual time: sim engines, the live scheduler, and requests moving
+through the same request lifecycle the gateway's proxy drives.
+
+What the live path does, modelled here step for step:
+* arrival: the prompt is synthesised and tokenised exactly as ``conductor loadgen`` and the
+  gateway do (same text, same built-in tokenizer, same block hashes), then ``decide``;
+* prefill leg (vLLM two-step): the prefill engine computes the prompt, emits one token and holds
+  the KV; its finish is the prefill response (``prefill_finished`` with its cached tokens);
+* decode leg: the decode engine pulls the KV (modelled at the network bandwidth by the engine
+  model), streams the tokens (each one a ``token`` at the end of the step that made it) and
+  finishes; the prefill side frees the held KV once the pull is done;
+* KV events reach the hit index ``kv_event_lag_s`` after the step that produced them, and the
+  engines' load is reported to the scheduler every ``poll_interval_s``, as the gateway polls.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from engines_adapters.kv_events import apply_events
+from engines_adapters.sim.model import EngineModel, SimRequest, StepResult
+from engines_adapters.sim.profiles import load_profile
+from predictors.base import Predictors
+from predictors.telemetry import SLO, RequestRecord
+from predictors.types import Role
+from scheduler import Instance, Rejection, RequestFacts, Scheduler
+from scheduler.lifecycle import Phase, RequestLifecycle
+
+from .instance import SimInstance
+from .loop import EventLoop
+
+
+@dataclass
+class ClusterSpec:
+    """The simulated cluster: instance counts, engine profile and engine settings."""
+
+    prefill: int = 2
+    decode: int = 2
+    both: int = 0
+    profile: str = "llama3-8b-h200"
+    block_size: int = 16
+    noise: float = 0.02
+    seed: int = 0
+    kv_event_lag_s: float = 0.002
+    poll_interval_s: float = 1.0
+    engine: dict[str, Any] = field(default_factory=dict)  # extra EngineModel keyword arguments
+
+    def roles(self) -> list[tuple[str, Role]]:
+        """(instance id, role), named as the embedded cluster names its engines."""
+        out = []
+        for role, n in ((Role.PREFILL, self.prefill), (Role.DECODE, self.decode), (Role.BOTH, self.both)):
+            out += [(f"{role.value}-{k + 1}", role) for k in range(n)]
+        return out
+
+
+@dataclass
+class SchedulerSpec:
+    policy: str = "conductor"
+    policy_params: dict[str, Any] = field(default_factory=dict)
+    slo: SLO = field(default_factory=lambda: SLO(ttft_s=30.0, tbt_s=0.2))
+    early_rejection: bool = False
+    seed: int = 0
+
+
+class _Live:
+    __slots__ = ("lc", "tokens", "max_tokens", "output_len", "prefill", "decode")
+
+    def __init__(self, lc: RequestLifecycle, tokens: list[int], max_tokens: int, output_len: int | None):
+        self.lc, self.tokens, self.max_tokens, self.output_len = lc, tokens, max_tokens, output_len
+        self.prefill: SimInstance | None = None
+        self.decode: SimInstance | None = None
+
+
+class SimCluster:
+    def __init__(self, spec: ClusterSpec, sched: SchedulerSpec, loop: EventLoop,
+                 predictors: Callable[[list[Instance]], Predictors] | None = None,
+                 on_done: Callable[[RequestRecord], None] | None = None):
+        self.spec, self.loop = spec, loop
+        profile = load_profile(spec.profile)
+        self.instances: dict[str, SimInstance] = {}
+        members = []
+        for k, (iid, role) in enumerate(spec.roles()):
+            model = EngineModel(profile, role.value, block_size=spec.block_size, seed=spec.seed + k, noise=spec.noise,
+                                kv_events=True, **spec.engine)
+            self.instances[iid] = SimInstance(iid, role, model, loop, self._on_step)
+            members.append(Instance(iid, role, profile=spec.profile))
+        params = dict(sched.policy_params)
+        if sched.policy == "conductor":  # as the gateway: engines cannot pull a prefix from a peer
+            params.setdefault("peer_pull", False)
+        self.scheduler = Scheduler(members, policy=sched.policy, slo=sched.slo, block_size=spec.block_size,
+                                   clock=loop.clock, early_rejection=sched.early_rejection, seed=sched.seed,
+                                   keep_decisions=0, predictors=predictors(members) if predictors else None, **params)
+        self.on_done = on_done
+        self._live: dict[str, _Live] = {}
+        self.ignored_events = 0
+
+    # --- requests -----------------------------------------------------------------------
+    def arrive(self, rid: str, tokens: list[int], max_tokens: int, output_len: int | None = None,
+               extra: dict[str, Any] | None = None) -> None:
+        """A request reaches the gateway now: decide, then send its first leg."""
+        now = self.loop.now
+        rec = RequestRecord(rid, arrival_s=now, prompt_tokens=len(tokens), max_tokens=max_tokens, sent_s=now)
+        if extra:
+            rec.extra.update(extra)
+        lc = RequestLifecycle(self.scheduler, rec, self.loop.clock, observers=(self._finished,))
+        facts = RequestFacts(rid, len(tokens), self._hashes(tokens), max_tokens)
+        d = lc.decide(facts)
+        if isinstance(d, Rejection):
+            return
+        live = self._live[rid] = _Live(lc, tokens, max_tokens, output_len)
+        try:
+            if d.prefill == d.decode:  # a colocated instance serves the whole request
+                lc.handed_over()
+                live.decode = self.instances[d.decode]
+                live.decode.add(SimRequest(rid, tokens, max_tokens, output_len=output_len))
+            else:
+                lc.prefill_started()
+                live.prefill = self.instances[d.prefill]
+                live.prefill.add(SimRequest(rid, tokens, 1, output_len=1, hold_kv=True))
+        except ValueError as e:  # the engine refuses it (e.g. longer than its context): a 400
+            lc.finish("error", 400, f"engine_refused: {e}")
+
+    def _hashes(self, tokens: list[int]) -> list[int]:
+        from scheduler.hashing import block_hashes
+
+        return block_hashes(tokens, self.spec.block_size)
+
+    def _finished(self, rec: RequestRecord) -> None:
+        self._live.pop(rec.request_id, None)
+        if self.on_done is not None:
+            self.on_done(rec)
+
+    def active(self) -> int:
+        return len(self._live)
+
+    # --- engine outcomes ----------------------------------------------------------------
+    def _on_step(self, inst: SimInstance, res: StepResult) -> None:
+        end, live = res.end, self._live
+        for rid, _tok in res.emitted:
+            r = live.get(rid)
+            if r is not None and r.decode is inst:  # the prefill leg's single token is not the client's
+                r.lc.token(end)
+        for f in res.finished:
+            r = live.get(f.request_id)
+            if r is None:
+                continue
+            if f.kv_held and r.lc.phase is Phase.PREFILLING:
+                r.lc.prefill_finished(f.cached_tokens)
+                d = self.instances[r.lc.placement.decode]  # type: ignore[union-attr]
+                r.decode = d
+                try:
+                    d.add(SimRequest(f.request_id, r.tokens, r.max_tokens, output_len=r.output_len, remote_kv=True))
+                except ValueError as e:
+                    inst.model.release_kv(f.request_id)
+                    r.lc.finish("error", 400, f"engine_refused: {e}")
+            elif r.decode is inst:
+                r.lc.finish("ok", 200, usage={"completion_tokens": f.output_tokens,
+                                              "prompt_tokens_details": {"cached_tokens": f.cached_tokens}})
+        for rid in res.kv_loaded:  # the decode side has the KV: the prefill side frees it
+            r = live.get(rid)
+            src = r.prefill if r is not None else None
+            if src is not None and src.model.release_kv(rid):
+                src.kick()
+        if res.events:
+            self.loop.at(end + self.spec.kv_event_lag_s, self._deliver_events, inst.id, res.events)
+
+    def _deliver_events(self, iid: str, events: list) -> None:
+        self.ignored_events += apply_events(self.scheduler.index, iid, events)
+
+    # --- load reports (the gateway's health poll) ---------------------------------------------
+    def report_load(self) -> None:
+        for iid, inst in self.instances.items():
+            st = inst.model.stats()
+            self.scheduler.observe_load(iid, running=st.running, waiting=st.waiting, kv_usage=st.kv_usage)
