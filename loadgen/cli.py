@@ -7,39 +7,12 @@ import os
 import sys
 
 from predictors.cli_args import CLIError, Parser, positive_float, positive_int
-from predictors.telemetry import SLO
 
-from .arrivals import PROCESSES
 from .prompts import ENDPOINTS, PROMPT_FORMATS
 from .report import format_table, write_outputs
 from .sweep import LoadgenConfig, TargetError, run
-from .synthetic import parse_dist, synthetic_workload, to_mooncake_jsonl
-from .workload import TRACE_BLOCK_TOKENS, TraceError, read_trace
-
-
-def load_list(text: str) -> list[float]:
-    """``2`` or ``1,2,4``: positive numbers, one sweep step each."""
-    try:
-        vals = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number or a comma-separated list, got {text!r}") from None
-    if not vals or any(not v > 0 for v in vals):
-        raise argparse.ArgumentTypeError(f"values must be > 0, got {text!r}")
-    return vals
-
-
-def fraction(text: str) -> float:
-    v = float(text)
-    if not 0 < v <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return v
-
-
-def dist_arg(text: str):
-    try:
-        return parse_dist(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+from .synthetic import to_mooncake_jsonl
+from .workload_args import add_workload_args, workload_from_args
 
 
 def target_url(text: str) -> str:
@@ -53,20 +26,8 @@ def build_parser() -> Parser:
     p = Parser(prog="conductor loadgen", description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("--target", type=target_url, action="append", required=True, metavar="URL",
                    help="base URL of an OpenAI-compatible server; give it twice to compare two targets")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--trace", metavar="PATH", help="Mooncake JSONL (hash_ids) or Azure CSV trace")
-    src.add_argument("--synthetic", action="store_true", help="generate the workload (see the synthetic options)")
-    p.add_argument("--format", choices=("auto", "mooncake", "azure"), default="auto", help="trace format (default: by extension)")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory")
-    p.add_argument("--limit", type=positive_int, metavar="N", help="replay only the first N requests")
-    load = p.add_mutually_exclusive_group()
-    load.add_argument("--speedup", type=load_list, metavar="X[,X...]", help="compress trace time X-fold; a list sweeps")
-    load.add_argument("--rate", type=load_list, metavar="R[,R...]",
-                      help="replace arrivals by a process at R requests/s (order kept); a list sweeps")
-    p.add_argument("--arrival", choices=PROCESSES, default="poisson", help="arrival process for --rate and --synthetic")
-    p.add_argument("--burstiness", type=positive_float, default=1.0, metavar="CV",
-                   help="gamma inter-arrival coefficient of variation (1 = Poisson, > 1 burstier)")
-    p.add_argument("--seed", type=int, default=0)
+    add_workload_args(p)
     p.add_argument("--max-concurrency", type=positive_int, metavar="N",
                    help="cap requests in flight (arrivals then wait; the wait is recorded apart)")
     p.add_argument("--model", help="model name (default: the first of the target's GET /v1/models)")
@@ -74,13 +35,8 @@ def build_parser() -> Parser:
     p.add_argument("--endpoint", choices=tuple(ENDPOINTS), default="chat", help="chat = /v1/chat/completions (default)")
     p.add_argument("--prompt-format", choices=PROMPT_FORMATS, default="text",
                    help="token-ids sends token-id prompts (completions only): exact lengths under any tokenizer")
-    p.add_argument("--slo-ttft-ms", type=positive_float, metavar="MS")
-    p.add_argument("--slo-tbt-ms", type=positive_float, metavar="MS", help="bound on Mooncake TBT (slowest 10%% of gaps)")
-    p.add_argument("--attainment-target", type=fraction, default=0.9, metavar="F",
-                   help="effective capacity = highest load with attainment >= F (default 0.9)")
     p.add_argument("--timeout", type=positive_float, default=300.0, metavar="S", help="per-request timeout (default 300 s)")
     p.add_argument("--probe-timeout", type=positive_float, default=3.0, metavar="S")
-    p.add_argument("--strict", action="store_true", help="stop at the first malformed trace line (default: skip and count)")
     p.add_argument("--max-lag-ms", type=positive_float, default=10.0,
                    help="flag the run when the client's send or event-loop lag p99 exceeds this (default 10)")
     p.add_argument("--step-pause", type=float, default=1.0, metavar="S", help="idle time between sweep steps")
@@ -91,15 +47,6 @@ def build_parser() -> Parser:
     p.add_argument("--keep-token-times", action="store_true", help="write every chunk time to requests.jsonl")
     p.add_argument("--save-workload", metavar="PATH", help="also write the base workload as a Mooncake JSONL trace")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    g = p.add_argument_group("synthetic workload")
-    g.add_argument("--requests", type=positive_int, default=200, metavar="N")
-    g.add_argument("--input-tokens", type=dist_arg, default=parse_dist("lognormal:1024:0.5"), metavar="DIST",
-                   help="new user tokens per turn: N, uniform:LO:HI, normal:MEAN:STD, lognormal:MEDIAN:SIGMA, exp:MEAN")
-    g.add_argument("--output-tokens", type=dist_arg, default=parse_dist("lognormal:128:0.5"), metavar="DIST")
-    g.add_argument("--turns", type=positive_int, default=1, help="turns per conversation (context grows turn by turn)")
-    g.add_argument("--turn-gap", type=float, default=10.0, metavar="S", help="mean think time between turns")
-    g.add_argument("--shared-prefix-blocks", type=int, default=1, metavar="N",
-                   help="512-token blocks every prompt starts with (a system prompt)")
     return p
 
 
@@ -108,32 +55,8 @@ def _config(a: argparse.Namespace, log) -> LoadgenConfig:
         raise CLIError("--prompt-format token-ids needs --endpoint completions")
     if len(set(a.target)) != len(a.target):
         raise CLIError("the same --target was given twice")
-    slo = SLO(None if a.slo_ttft_ms is None else a.slo_ttft_ms / 1000, None if a.slo_tbt_ms is None else a.slo_tbt_ms / 1000)
-    regenerate = None
-    if a.synthetic:
-        if a.shared_prefix_blocks < 0 or a.turn_gap < 0:
-            raise CLIError("--shared-prefix-blocks and --turn-gap must be >= 0")
-        n = min(a.requests, a.limit or a.requests)
-
-        def regenerate(rate: float):
-            return synthetic_workload(n, rate, input_tokens=a.input_tokens, output_tokens=a.output_tokens,
-                                      process=a.arrival, cv=a.burstiness, turns=a.turns, turn_gap_s=a.turn_gap,
-                                      shared_prefix_blocks=a.shared_prefix_blocks, block_tokens=TRACE_BLOCK_TOKENS, seed=a.seed)
-
-        base = regenerate(a.rate[0] if a.rate else 1.0)
-        if not a.rate:
-            regenerate = None  # --speedup (or nothing) compresses the rate-1 workload
-    else:
-        try:
-            base = read_trace(a.trace, a.format, strict=a.strict, limit=a.limit, warn=log)
-        except TraceError as e:
-            raise CLIError(str(e)) from None
-        if base.skipped:
-            log(f"warning: skipped {base.skipped} malformed line(s) of {a.trace} (--strict stops at the first)")
-    if a.rate:
-        kind, loads = "rate", a.rate
-    else:
-        kind, loads = "speedup", a.speedup or [1.0]
+    w = workload_from_args(a, log)
+    base, slo, kind, loads, regenerate = w.base, w.slo, w.load_kind, w.loads, w.regenerate
     if a.save_workload:
         try:
             to_mooncake_jsonl(base, a.save_workload)

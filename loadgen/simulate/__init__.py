@@ -1,2 +1,5 @@
 """``conductor simulate``: whole traces in virtual time through the live scheduler and the sim
 engine's model (see docs/simulate.md)."""
+from .cli import main
+
+__all__ = ["main"]

@@ -31,11 +31,14 @@ class RunStats:
     engine_steps: int = 0
     ignored_kv_events: int = 0
 
-    def as_dict(self) -> dict[str, Any]:
-        return {"events": self.events, "wall_s": self.wall_s, "simulated_s": self.sim_s,
-                "events_per_s": self.events / self.wall_s if self.wall_s else None,
-                "simulated_s_per_wall_s": self.sim_s / self.wall_s if self.wall_s else None,
-                "engine_steps": self.engine_steps, "ignored_kv_events": self.ignored_kv_events}
+    def as_dict(self, wall: bool = True) -> dict[str, Any]:
+        """``wall=False``: only what the seed determines (summary.json stays byte-identical)."""
+        out: dict[str, Any] = {"events": self.events, "simulated_s": self.sim_s, "engine_steps": self.engine_steps,
+                               "ignored_kv_events": self.ignored_kv_events}
+        if wall:
+            out.update(wall_s=self.wall_s, events_per_s=self.events / self.wall_s if self.wall_s else None,
+                       simulated_s_per_wall_s=self.sim_s / self.wall_s if self.wall_s else None)
+        return out
 
 
 @dataclass
