@@ -72,7 +72,8 @@ def format_lines(record: dict[str, Any]) -> list[str]:
         terms = record.get("terms") or {}
         lines.append(f"placed on {chosen.get('prefill')} -> {chosen.get('decode')} "
                      f"(ttft={terms.get('ttft_s', 0) * 1e3:.2f}ms incl. kv shipment "
-                     f"{terms.get('kv_transfer_s', 0) * 1e3:.2f}ms, tbt={terms.get('tbt_s', 0) * 1e3:.2f}ms): "
+                     f"{terms.get('kv_transfer_s', 0) * 1e3:.2f}ms and first decode step "
+                     f"{terms.get('decode_first_step_s', 0) * 1e3:.2f}ms, tbt={terms.get('tbt_s', 0) * 1e3:.2f}ms): "
                      f"prefill: {why.get('prefill', '')}; decode: {why.get('decode', '')}")
     else:
         lines.append(f"rejected ({record.get('reason')}): {record.get('message', '')}")

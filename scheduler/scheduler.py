@@ -316,13 +316,15 @@ class Scheduler:
     # --- stage 5: admission against the SLO ----------------------------------------------
     def _admit(self, ctx: DecisionContext, ch: _Choice) -> admission.Verdict | None:
         facts, p, d, terms = ctx.facts, ch.prefill.candidate, ch.decode, ch.prefill.terms
-        ch.kv_s = self.predictors.transfer.transfer_time(facts.prompt_tokens, p.id, d.id) if d.id != p.id else 0.0
-        ch.ttft = terms.transfer_s + p.queue_s + terms.prefill_s + ch.kv_s
+        if d.id != p.id:  # a separate decode instance: the KV shipment, then its first step makes the token
+            ch.kv_s = self.predictors.transfer.transfer_time(facts.prompt_tokens, p.id, d.id)
+            ch.first_step_s = d.tbt_s
+        ch.ttft = terms.transfer_s + p.queue_s + terms.prefill_s + ch.kv_s + ch.first_step_s
         slo = ch.slo = admission.resolve_slo(self.slo, facts.slo)
         floor = None  # the best TTFT any candidate could give once its queue drains
         if slo.ttft_s is not None and ch.ttft > slo.ttft_s:
             rows = ch.prefill.rows or {}
-            floor = min(c.ttft(rows.get(c.id, c.local)) - c.queue_s for c in ctx.prefill) + ch.kv_s
+            floor = min(c.ttft(rows.get(c.id, c.local)) - c.queue_s for c in ctx.prefill) + ch.kv_s + ch.first_step_s
         ttft_verdict = admission.check_ttft(ch.ttft, p.queue_s, slo.ttft_s, floor)
         departures, at = [], ctx.now
         if slo.tbt_s is not None and d.tbt_s > slo.tbt_s:
@@ -352,6 +354,7 @@ class Scheduler:
             transfer_s=terms.transfer_s, ttft_s=ch.ttft, tbt_s=d.tbt_s, queue_tokens=p.state.queued_tokens,
             queue_requests=p.state.queued_requests, decode_running=now_state.running,
             decode_kv_tokens=now_state.kv_tokens, explanation=ch.record, kv_transfer_s=ch.kv_s,
+            decode_first_step_s=ch.first_step_s,
             policy=self.policy_name)
         if commit:
             decode_start = now + ch.ttft
@@ -403,7 +406,8 @@ class Scheduler:
             "terms": {"hit_tokens": terms.hit_tokens, "local_hit_tokens": terms.local_hit_tokens,
                       "transfer_tokens": terms.transfer_tokens, "transfer_from": terms.transfer_from,
                       "transfer_s": terms.transfer_s, "queue_s": pc.candidate.queue_s, "prefill_s": terms.prefill_s,
-                      "kv_transfer_s": ch.kv_s, "ttft_s": ch.ttft, "tbt_s": d.tbt_s},
+                      "kv_transfer_s": ch.kv_s, "decode_first_step_s": ch.first_step_s, "ttft_s": ch.ttft,
+                      "tbt_s": d.tbt_s},
             "why": {"prefill": pc.why, "decode": ch.decode_why, **({"extra": pc.extra} if pc.extra else {})},
             "replication": replication,
             "reason": violations[0].reason if violations else None,
@@ -433,6 +437,7 @@ class _Choice:
     chose_decode: bool  # False when a "both" instance decodes its own request
     prefill_done_at: float
     kv_s: float = 0.0
+    first_step_s: float = 0.0
     ttft: float = 0.0
     slo: SLO = field(default_factory=SLO)
     violations: list[admission.Verdict] = field(default_factory=list)

@@ -52,7 +52,7 @@ def test_conductor_sends_a_hot_prefix_to_its_idle_holder():
     assert isinstance(d, Placement)
     assert (d.prefill, d.hit_tokens, d.local_hit_tokens) == ("p1", 6000, 6000)
     assert (d.transfer_tokens, d.transfer_from) == (0, None)
-    assert d.ttft_s == pytest.approx(d.transfer_s + d.queue_s + d.prefill_s + d.kv_transfer_s)
+    assert d.ttft_s == pytest.approx(d.transfer_s + d.queue_s + d.prefill_s + d.kv_transfer_s + d.decode_first_step_s)
 
 
 def test_conductor_moves_the_work_off_an_overloaded_holder_and_replicates_the_prefix():

@@ -100,7 +100,8 @@ def test_placement_carries_every_term_and_a_reservation_until_released():
     sched, clock = pd()
     d = sched.decide(facts("r", n=3000, max_tokens=500))
     assert isinstance(d, Placement)
-    assert d.ttft_s == pytest.approx(d.transfer_s + d.queue_s + d.prefill_s + d.kv_transfer_s)
+    assert d.ttft_s == pytest.approx(d.transfer_s + d.queue_s + d.prefill_s + d.kv_transfer_s + d.decode_first_step_s)
+    assert d.decode_first_step_s == d.tbt_s > 0  # the decode instance makes the first token
     assert d.kv_transfer_s > 0 and d.tbt_s > 0 and d.queue_s == 0 and d.queue_tokens == 0
     snap = {r["id"]: r for r in sched.snapshot()["instances"]}
     assert snap[d.prefill]["reserved_prefill_tokens"] == 3000 and snap[d.prefill]["active_requests"] == 1

@@ -1,0 +1,122 @@
+"""``conductor simulate``: the live scheduler and the sim engine's model in virtual time."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from loadgen.simulate.cluster import ClusterSpec, SchedulerSpec
+from loadgen.simulate.run import simulate
+from loadgen.synthetic import parse_dist, synthetic_workload
+from predictors.telemetry import SLO
+from tests.servers import ROOT
+
+
+def workload(n=60, rate=4.0, turns=3, seed=1):
+    return synthetic_workload(n, rate, input_tokens=parse_dist("lognormal:1500:0.6"),
+                              output_tokens=parse_dist("lognormal:64:0.5"), turns=turns, turn_gap_s=2.0,
+                              shared_prefix_blocks=1, seed=seed)
+
+
+def run(policy="conductor", n=60, rate=4.0, cluster=None, **sched):
+    spec = cluster or ClusterSpec(prefill=2, decode=2, seed=3)
+    return simulate(workload(n, rate), spec, SchedulerSpec(policy=policy, **sched), progress=None)
+
+
+def test_every_request_ends_exactly_once_and_the_ledger_ends_empty():
+    # overloaded on purpose: 1P+1D at 60 req/s and a tight TTFT SLO, with early rejection
+    r = run(n=120, rate=60.0, cluster=ClusterSpec(prefill=1, decode=1, seed=3), early_rejection=True,
+            slo=SLO(ttft_s=0.3, tbt_s=0.05))
+    ids = [x.request_id for x in r.records]
+    assert len(ids) == 120 and len(set(ids)) == 120  # simulate() itself raises if anything is still held
+    statuses = {x.status for x in r.records}
+    assert statuses <= {"ok", "rejected", "error"} and {"ok", "rejected"} <= statuses
+    assert r.scheduler_counts["placed"] == sum(x.status != "rejected" for x in r.records)
+
+
+def test_a_disaggregated_request_walks_the_live_path():
+    r = run(n=30, rate=2.0)
+    w = {f"sim-r{q.index}": q for q in workload(30, 2.0).requests}
+    for rec in r.records:
+        assert rec.status == "ok"
+        q = w[rec.request_id]
+        assert rec.prefill_instance.startswith("prefill-") and rec.decode_instance.startswith("decode-")
+        assert rec.arrival_s <= rec.decided_s <= rec.prefill_start_s < rec.prefill_end_s < rec.first_token_s <= rec.end_s
+        assert rec.output_tokens == len(rec.token_times) == q.output_length  # ignore_eos replay: exact lengths
+        assert rec.predicted_ttft_s > 0 and rec.cached_tokens is not None
+    # later turns of a conversation find their earlier turn's prefix on the prefill side
+    assert sum(rec.cached_tokens for rec in r.records) > 0
+
+
+def test_colocated_instances_serve_whole_requests():
+    r = run(n=20, rate=2.0, cluster=ClusterSpec(both=2, seed=3))
+    assert all(x.status == "ok" and x.prefill_instance == x.decode_instance and x.prefill_start_s is None
+               for x in r.records)
+
+
+def test_same_seed_same_results_and_a_new_seed_changes_them():
+    a, b = run(seed=0), run(seed=0)
+    key = lambda r: [(x.request_id, x.prefill_instance, x.first_token_s, x.end_s) for x in r.records]  # noqa: E731
+    assert key(a) == key(b)
+    c = simulate(workload(), ClusterSpec(prefill=2, decode=2, seed=4), SchedulerSpec(), progress=None)
+    assert key(c) != key(a)  # the engines' noise follows the seed
+
+
+def test_oracle_predictors_predict_the_engine_better_than_the_public_prior():
+    from loadgen.simulate.oracle import predictors_factory
+
+    spec = ClusterSpec(prefill=2, decode=2, seed=3, noise=0.0)
+    errs = {}
+    for name in ("analytic", "oracle"):
+        r = simulate(workload(40, 1.0), spec, SchedulerSpec(), predictors=predictors_factory(name, spec), progress=None)
+        pairs = [(x.predicted_ttft_s, x.ttft_s) for x in r.records if x.queue_requests == 0 and x.ttft_s]
+        errs[name] = sorted(abs(p - t) / t for p, t in pairs)[len(pairs) // 2]
+    assert errs["oracle"] < errs["analytic"]
+
+
+def conductor(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, "-m", "gateway.cli", "simulate", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=300)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prefill", "2", "--decode", "2", "--policy", "fastest"], "unknown policy 'fastest'; known: conductor"),
+    (["--prefill", "2"], "disaggregated prefill needs decode instances"),
+    ([], "the cluster is empty"),
+    (["--both", "1", "--policy-param", "pull_rule=always"], "pull_rule must be one of"),
+    (["--both", "1", "--predictors", "crystal"], "unknown predictors 'crystal'"),
+])
+def test_bad_arguments_get_one_line_and_exit_2(tmp_path, args, message):
+    p = conductor("--synthetic", "--requests", "5", "--out", str(tmp_path / "o"), *args)
+    assert p.returncode == 2 and message in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_unwritable_out_and_bad_trace_lines_are_named(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    p = conductor("--synthetic", "--both", "1", "--out", str(blocker / "o"))
+    assert p.returncode == 2 and "cannot write to --out" in p.stderr
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 600, "output_length": 4, "hash_ids": [1, 2]}\n{broken\n')
+    p = conductor("--trace", str(trace), "--strict", "--both", "1", "--out", str(tmp_path / "o"))
+    assert p.returncode == 2 and f"{trace}:2" in p.stderr
+
+
+def test_the_command_writes_loadgens_outputs_and_is_byte_deterministic(tmp_path):
+    args = ["--synthetic", "--requests", "40", "--turns", "2", "--rate", "3", "--prefill", "1", "--decode", "1",
+            "--compare", "round_robin", "--slo-ttft-ms", "5000", "--slo-tbt-ms", "100", "--quiet"]
+    p1 = conductor(*args, "--out", str(tmp_path / "a"), "--telemetry", str(tmp_path / "t.jsonl"))
+    assert p1.returncode == 0, p1.stderr
+    p2 = conductor(*args, "--out", str(tmp_path / "b"), "--workers", "1")
+    assert p2.returncode == 0, p2.stderr
+    for name in ("summary.json", "requests.jsonl", "goodput.png", "latency.png", "capacity.png", "compare.md",
+                 "compare.png"):
+        assert (tmp_path / "a" / name).stat().st_size > 0
+    assert (tmp_path / "a" / "summary.json").read_bytes() == (tmp_path / "b" / "summary.json").read_bytes()
+    s = json.loads((tmp_path / "a" / "summary.json").read_text())
+    assert [t["target"] for t in s["targets"]] == ["conductor", "round_robin"] and s["requests"] == 40
+    assert set(s["capacity_by_tbt"]) == {"conductor", "round_robin"}
+    assert len((tmp_path / "t.jsonl").read_text().splitlines()) == 80
+    assert "round_robin / conductor: goodput ratio" in p1.stdout
