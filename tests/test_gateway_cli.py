@@ -47,7 +47,7 @@ def test_port_in_use_is_one_line(tmp_path):
 
 
 def test_unbuilt_commands_say_so():
-    r = run("simulate")
+    r = run("calibrate")
     assert r.returncode == 2 and "not built yet" in r.stderr
 
 
