@@ -10,8 +10,8 @@ import pytest
 
 from gateway.cli import main as _conductor
 from loadgen.fixed_target import spawn
+from tests.traces import MOONCAKE
 
-MOONCAKE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 
 
 def conductor(argv):

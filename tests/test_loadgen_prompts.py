@@ -8,8 +8,8 @@ from engines_adapters.tokenizer import ByteTokenizer
 from loadgen.prompts import ChatFraming, PromptSynth, build_body, build_prompt
 from loadgen.workload import Request, read_mooncake
 from scheduler.hashing import block_hashes
+from tests.traces import MOONCAKE
 
-MOONCAKE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 tok = ByteTokenizer()
 
 

@@ -11,10 +11,8 @@ import pytest
 from loadgen.arrivals import arrival_times, rate_of, retimed, sped_up
 from loadgen.synthetic import parse_dist, synthetic_workload, to_mooncake_jsonl
 from loadgen.workload import TraceError, read_azure, read_mooncake, read_trace
+from tests.traces import AZURE, MOONCAKE
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
-MOONCAKE = TRACES / "mooncake_conversation_trace.jsonl"
-AZURE = TRACES / "azure_code_2023.csv"
 
 
 def head(path: Path, n: int) -> list[str]:
