@@ -1,13 +1,15 @@
 """The ``conductor`` command: dispatches each subcommand to the module that owns it.
 
 Each subcommand module exposes ``main(argv: list[str]) -> int`` and builds its options with
-:class:`Parser`, so every command answers ``--help`` and reports bad arguments in one line.
+:class:`predictors.cli_args.Parser`, so every command answers ``--help`` and reports bad arguments
+in one line; a :class:`~predictors.cli_args.CLIError` it raises is reported here, exit code 2.
 """
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
+
+from predictors.cli_args import CLIError
 
 # subcommand -> (module, one-line summary)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -17,39 +19,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("loadgen.simulate", "run whole traces through the scheduler in a discrete-event simulation"),
     "calibrate": ("predictors.calibrate", "fit the predictors from telemetry"),
 }
-
-
-class CLIError(Exception):
-    """A user error: printed as one line, exit code 2."""
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse with a one-line error (no usage dump) and exit code 2."""
-
-    def error(self, message: str):  # noqa: D401 - argparse API
-        sys.stderr.write(f"{self.prog}: error: {message} (see --help)\n")
-        sys.exit(2)
-
-
-def positive_float(text: str) -> float:
-    v = float(text)
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return v
-
-
-def positive_int(text: str) -> int:
-    v = int(text)
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return v
-
-
-def port(text: str) -> int:
-    v = int(text)
-    if not 0 <= v <= 65535:
-        raise argparse.ArgumentTypeError(f"not a TCP port: {text}")
-    return v
 
 
 def _usage() -> str:
@@ -86,7 +55,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # run the imported module's main, so subcommands raise the same CLIError class it catches
-    from gateway.cli import main as _main
-
-    sys.exit(_main())
+    # CLIError comes from predictors.cli_args, so it is one class even when this file runs as __main__
+    sys.exit(main())

@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import socket
 
-from gateway.cli import CLIError, Parser, port
+from predictors.cli_args import CLIError, Parser, port
 from gateway.config import ConfigError, load_config
 
 

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from gateway.cli import CLIError, Parser, positive_float, positive_int
+from predictors.cli_args import CLIError, Parser, positive_float, positive_int
 from predictors.telemetry import SLO
 
 from .arrivals import PROCESSES

@@ -175,7 +175,7 @@ async def serve(cfg: TargetConfig, host: str = "127.0.0.1", port: int = 0) -> tu
 
 
 def _args(argv: list[str]):
-    from gateway.cli import Parser, port, positive_float, positive_int
+    from predictors.cli_args import Parser, port, positive_float, positive_int
 
     p = Parser(prog="python -m loadgen.fixed_target", description=__doc__.split("\n\n")[0])
     p.add_argument("--host", default="127.0.0.1")

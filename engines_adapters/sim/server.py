@@ -16,7 +16,7 @@ import uuid
 
 from aiohttp import web
 
-from gateway.cli import CLIError, Parser, port, positive_float, positive_int
+from predictors.cli_args import CLIError, Parser, port, positive_float, positive_int
 
 from .api import OpenAIApi, ServerInfo
 from .driver import EngineDriver
@@ -149,16 +149,7 @@ async def _serve(args: argparse.Namespace, engine: EngineModel, publisher: KVEve
 
 
 def main(argv: list[str]) -> int:
-    # CLIError is reported here, not only by gateway.cli: under `python -m gateway.cli` that module
-    # runs as __main__ and its own except clause would not match gateway.cli.CLIError
-    try:
-        return _main(argv)
-    except CLIError as e:
-        sys.stderr.write(f"conductor sim-engine: error: {e}\n")
-        return 2
-
-
-def _main(argv: list[str]) -> int:
+    """``conductor sim-engine``; a :class:`CLIError` is reported by the dispatcher (gateway/cli.py)."""
     args = build_parser().parse_args(argv)
     _check(args)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
