@@ -22,7 +22,7 @@ import time
 import aiohttp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from gateway.embedded import free_port  # noqa: E402
+from engines_adapters.net import free_port  # noqa: E402
 
 
 def start(args: list[str]) -> subprocess.Popen:

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 import requests
 
-from gateway.embedded import free_port
+from engines_adapters.net import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

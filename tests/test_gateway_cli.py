@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from gateway.embedded import free_port
+from engines_adapters.net import free_port
 from tests.servers import ROOT
 
 

@@ -15,7 +15,7 @@ from engines_adapters.kv_events import KVEventSubscriber, subscriber_address
 from engines_adapters.kv_wire import publisher_binds
 from engines_adapters.kv_wire import BlockStored
 from engines_adapters.sim.publisher import KVEventPublisher
-from gateway.embedded import free_port
+from engines_adapters.net import free_port
 from scheduler.hashing import block_hashes, vllm_block_hashes
 from scheduler.hit_index import HitIndex
 

@@ -1,6 +1,5 @@
 """``conductor loadgen`` end to end: sweeps, effective capacity, two targets, outputs, bad input."""
 import json
-import socket
 import time
 from itertools import islice
 from pathlib import Path
@@ -8,6 +7,7 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
+from engines_adapters.net import free_port
 from gateway.cli import main as _conductor
 from loadgen.fixed_target import spawn
 from tests.traces import MOONCAKE
@@ -132,10 +132,7 @@ def test_ctrl_c_keeps_partial_results(tmp_path):
 
 
 def test_unreachable_target_fails_fast_in_one_line(tmp_path, capsys):
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    dead = f"http://127.0.0.1:{s.getsockname()[1]}"
-    s.close()
+    dead = f"http://127.0.0.1:{free_port()}"
     t = time.monotonic()
     rc = conductor(["loadgen", "--target", dead, "--trace", str(trace_slice(tmp_path, 3)), "--out", str(tmp_path / "o")])
     err = capsys.readouterr().err.strip().splitlines()

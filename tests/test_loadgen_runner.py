@@ -2,11 +2,11 @@
 a free loopback port): what it measures must agree with what the target does."""
 import asyncio
 import json
-import socket
 import statistics
 
 import pytest
 
+from engines_adapters.net import free_port
 from loadgen.fixed_target import spawn
 from loadgen.metrics import percentile, summarize
 from loadgen.prompts import ENDPOINTS, PromptSynth, build_body
@@ -124,14 +124,6 @@ def test_timeout_is_its_own_status():
         res = run(url, sends([0.0], n_out=2), timeout_s=0.4)
     (r,) = res.records
     assert r.status == "timeout" and 0.35 < r.end_s - r.sent_s < 1.5
-
-
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def test_probe_and_dead_target_abort_quickly(fixed):

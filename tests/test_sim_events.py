@@ -6,8 +6,9 @@ import msgpack
 import pytest
 import zmq
 
+from engines_adapters.net import free_port
 from scheduler.hashing import vllm_block_hashes
-from tests.sim_helpers import HASH_SEED, SimEngineProcess, free_port, wait_until
+from tests.sim_helpers import HASH_SEED, SimEngineProcess, wait_until
 
 BS = 16
 TOPIC = b"kv@sim@llama3-8b"
