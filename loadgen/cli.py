@@ -56,7 +56,8 @@ def build_parser() -> Parser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--trace", metavar="PATH", help="Mooncake JSONL (hash_ids) or Azure CSV trace")
     src.add_argument("--synthetic", action="store_true", help="generate the workload (see the synthetic options)")
-    p.add_argument("--format", choices=("auto", "mooncake", "azure"), default="auto", help="trace format (default: by extension)")
+    p.add_argument("--format", choices=("auto", "mooncake", "azure"), default="auto",
+                   help="trace format (default: by extension)")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory")
     p.add_argument("--limit", type=positive_int, metavar="N", help="replay only the first N requests")
     load = p.add_mutually_exclusive_group()
@@ -75,17 +76,21 @@ def build_parser() -> Parser:
     p.add_argument("--prompt-format", choices=PROMPT_FORMATS, default="text",
                    help="token-ids sends token-id prompts (completions only): exact lengths under any tokenizer")
     p.add_argument("--slo-ttft-ms", type=positive_float, metavar="MS")
-    p.add_argument("--slo-tbt-ms", type=positive_float, metavar="MS", help="bound on Mooncake TBT (slowest 10%% of gaps)")
+    p.add_argument("--slo-tbt-ms", type=positive_float, metavar="MS",
+                   help="bound on Mooncake TBT (slowest 10%% of gaps)")
     p.add_argument("--attainment-target", type=fraction, default=0.9, metavar="F",
                    help="effective capacity = highest load with attainment >= F (default 0.9)")
-    p.add_argument("--timeout", type=positive_float, default=300.0, metavar="S", help="per-request timeout (default 300 s)")
+    p.add_argument("--timeout", type=positive_float, default=300.0, metavar="S",
+                   help="per-request timeout (default 300 s)")
     p.add_argument("--probe-timeout", type=positive_float, default=3.0, metavar="S")
-    p.add_argument("--strict", action="store_true", help="stop at the first malformed trace line (default: skip and count)")
+    p.add_argument("--strict", action="store_true",
+                   help="stop at the first malformed trace line (default: skip and count)")
     p.add_argument("--max-lag-ms", type=positive_float, default=10.0,
                    help="flag the run when the client's send or event-loop lag p99 exceeds this (default 10)")
     p.add_argument("--step-pause", type=float, default=1.0, metavar="S", help="idle time between sweep steps")
     p.add_argument("--reuse-prompts", action="store_true",
-                   help="same prompt text in every step (default: a fresh salt per step and target, so caches start cold)")
+                   help="same prompt text in every step "
+                        "(default: a fresh salt per step and target, so caches start cold)")
     p.add_argument("--prompt-salt", metavar="TEXT",
                    help="base of the prompt salts (default: random per run; pin it to replay the very same text)")
     p.add_argument("--keep-token-times", action="store_true", help="write every chunk time to requests.jsonl")
@@ -108,7 +113,8 @@ def _config(a: argparse.Namespace, log) -> LoadgenConfig:
         raise CLIError("--prompt-format token-ids needs --endpoint completions")
     if len(set(a.target)) != len(a.target):
         raise CLIError("the same --target was given twice")
-    slo = SLO(None if a.slo_ttft_ms is None else a.slo_ttft_ms / 1000, None if a.slo_tbt_ms is None else a.slo_tbt_ms / 1000)
+    slo = SLO(None if a.slo_ttft_ms is None else a.slo_ttft_ms / 1000,
+              None if a.slo_tbt_ms is None else a.slo_tbt_ms / 1000)
     regenerate = None
     if a.synthetic:
         if a.shared_prefix_blocks < 0 or a.turn_gap < 0:
@@ -118,7 +124,8 @@ def _config(a: argparse.Namespace, log) -> LoadgenConfig:
         def regenerate(rate: float):
             return synthetic_workload(n, rate, input_tokens=a.input_tokens, output_tokens=a.output_tokens,
                                       process=a.arrival, cv=a.burstiness, turns=a.turns, turn_gap_s=a.turn_gap,
-                                      shared_prefix_blocks=a.shared_prefix_blocks, block_tokens=TRACE_BLOCK_TOKENS, seed=a.seed)
+                                      shared_prefix_blocks=a.shared_prefix_blocks, block_tokens=TRACE_BLOCK_TOKENS,
+                                      seed=a.seed)
 
         base = regenerate(a.rate[0] if a.rate else 1.0)
         if not a.rate:
@@ -143,7 +150,8 @@ def _config(a: argparse.Namespace, log) -> LoadgenConfig:
         targets=a.target, base=base, slo=slo, load_kind=kind, loads=loads, attainment_target=a.attainment_target,
         model=a.model, endpoint=a.endpoint, prompt_format=a.prompt_format, arrival=a.arrival, cv=a.burstiness,
         seed=a.seed, timeout_s=a.timeout, max_concurrency=a.max_concurrency, max_lag_ms=a.max_lag_ms,
-        reuse_prompts=a.reuse_prompts, prompt_salt=a.prompt_salt, step_pause_s=max(0.0, a.step_pause), probe_timeout_s=a.probe_timeout,
+        reuse_prompts=a.reuse_prompts, prompt_salt=a.prompt_salt, step_pause_s=max(0.0, a.step_pause),
+        probe_timeout_s=a.probe_timeout,
         progress=not a.quiet, api_key=a.api_key, regenerate=regenerate)
 
 

@@ -218,7 +218,8 @@ def read_azure(path: str, *, strict: bool = False, limit: int | None = None,
 
 def _workload(rows, path: str, kind: str, block_tokens: int, bad: _Problems) -> Workload:
     if not rows:
-        raise TraceError(f"{path}: no usable requests" + (f" ({bad.count} malformed lines; first: {bad.kept[0]})" if bad.kept else ""))
+        first = f" ({bad.count} malformed lines; first: {bad.kept[0]})" if bad.kept else ""
+        raise TraceError(f"{path}: no usable requests{first}")
     rows.sort(key=lambda r: r[0])  # stable: equal timestamps keep file order
     t0 = rows[0][0]
     reqs = [Request(i, t - t0, n_in, n_out, ids, line=ln) for i, (t, n_in, n_out, ids, ln) in enumerate(rows)]

@@ -17,7 +17,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def conductor(*args: str, log: str | None = None) -> subprocess.Popen:
     out = open(log, "wb") if log else subprocess.DEVNULL
-    return subprocess.Popen([sys.executable, "-m", "gateway.cli", *args], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+    return subprocess.Popen([sys.executable, "-m", "gateway.cli", *args], cwd=ROOT, stdout=out,
+                            stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONHASHSEED": "0"})
 
 

@@ -12,10 +12,9 @@ import zmq
 import zmq.asyncio
 
 from engines_adapters.kv_events import KVEventSubscriber, subscriber_address
-from engines_adapters.kv_wire import publisher_binds
-from engines_adapters.kv_wire import BlockStored
-from engines_adapters.sim.publisher import KVEventPublisher
+from engines_adapters.kv_wire import BlockStored, publisher_binds
 from engines_adapters.net import free_port
+from engines_adapters.sim.publisher import KVEventPublisher
 from scheduler.hashing import block_hashes, vllm_block_hashes
 from scheduler.hit_index import HitIndex
 

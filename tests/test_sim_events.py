@@ -123,7 +123,8 @@ def test_eviction_offloads_to_host_tier_and_reload(setup):
     for i in range(3):  # 40 GPU blocks: three other 20-block prompts push the first one out
         engine.post("/v1/completions", {"prompt": f"Other document {i}. " * 18, "max_tokens": 1})
     wait_until(lambda: set(hashes) <= {h for _, _, p in sub.drain()[n0:] for e in msgpack.unpackb(p)[1]
-                                       if e["type"] == "BlockRemoved" and e["medium"] == "GPU" for h in e["block_hashes"]},
+                                       if e["type"] == "BlockRemoved" and e["medium"] == "GPU"
+                                       for h in e["block_hashes"]},
                what="the first document's blocks to leave the GPU")
     ev = [e for _, _, p in sub.messages[n0:] for e in msgpack.unpackb(p)[1]]
     assert set(hashes) <= {h for e in stored(ev, "CPU") for h in e["block_hashes"]}

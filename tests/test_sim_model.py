@@ -148,7 +148,8 @@ def test_pd_decode_models_transfer_time():
     d.add_request(SimRequest("z", prompt(P), 8, output_len=8, remote_kv=True), 0.0)
     r = d.step(0.0)
     assert r.idle and d.next_timer() is not None
-    expected = PROFILE.efficiency["transfer_latency_ms"] * 1e-3 + P * PROFILE.kv_bytes_per_token / PROFILE.net_bytes_per_s
+    expected = (PROFILE.efficiency["transfer_latency_ms"] * 1e-3
+                + P * PROFILE.kv_bytes_per_token / PROFILE.net_bytes_per_s)
     assert d.next_timer() == pytest.approx(expected)
     fin, res, _ = drain(d, 0.0)
     z = fin["z"]
