@@ -12,6 +12,9 @@ import requests
 
 from tests.servers import RestartableEngine, engine_entry, gateway, sim_engine, stop, wait_until
 
+# starts real servers or subprocesses: `make test-fast` skips these
+pytestmark = pytest.mark.slow
+
 EMBEDDED = "[embedded]\nprefill = 2\ndecode = 2\n"
 
 

@@ -12,6 +12,9 @@ from gateway.cli import main as _conductor
 from loadgen.fixed_target import spawn
 from tests.traces import MOONCAKE
 
+# starts real servers or subprocesses: `make test-fast` skips these
+pytestmark = pytest.mark.slow
+
 
 def conductor(argv):
     """The real command in-process; argparse errors exit via SystemExit, returned as the code."""

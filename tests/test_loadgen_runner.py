@@ -14,6 +14,9 @@ from loadgen.runner import RunnerOptions, Send, TargetUnreachable, probe, run_se
 from loadgen.workload import Request
 from predictors.telemetry import SLO
 
+# starts real servers or subprocesses: `make test-fast` skips these
+pytestmark = pytest.mark.slow
+
 TTFT, ITL = 0.080, 0.020
 
 

@@ -10,6 +10,9 @@ from engines_adapters.net import free_port
 from scheduler.hashing import vllm_block_hashes
 from tests.sim_helpers import HASH_SEED, SimEngineProcess, wait_until
 
+# starts real servers or subprocesses: `make test-fast` skips these
+pytestmark = pytest.mark.slow
+
 BS = 16
 TOPIC = b"kv@sim@llama3-8b"
 
