@@ -1,10 +1,11 @@
 # Fresh machine: `make serve` (set up + run the gateway on the embedded cluster), `make test`.
+# `make test` = lint + the whole suite (what CI runs); `make test-fast` skips tests marked slow.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup serve test bench
+.PHONY: setup serve lint test test-fast bench
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -17,5 +18,11 @@ setup: $(STAMP)
 serve: setup
 	$(BIN)/conductor serve
 
-test: setup
+lint: setup
+	$(BIN)/ruff check .
+
+test: lint
 	$(BIN)/python -m pytest
+
+test-fast: lint
+	$(BIN)/python -m pytest -m "not slow"

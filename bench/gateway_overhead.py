@@ -22,7 +22,7 @@ import time
 import aiohttp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from gateway.embedded import free_port  # noqa: E402
+from engines_adapters.net import free_port  # noqa: E402
 
 
 def start(args: list[str]) -> subprocess.Popen:
@@ -75,7 +75,8 @@ def pct(xs: list[float], q: float) -> float:
 async def main_async(a) -> dict:
     ports = [free_port() for _ in range(2)]
     gw_port = free_port()
-    procs = [start(["sim-engine", "--role", "both", "--port", str(p), "--time-scale", str(a.time_scale)]) for p in ports]
+    procs = [start(["sim-engine", "--role", "both", "--port", str(p), "--time-scale", str(a.time_scale)])
+             for p in ports]
     try:
         for p in ports:
             await wait_http(f"http://127.0.0.1:{p}/health")
@@ -106,9 +107,10 @@ async def main_async(a) -> dict:
             tps_d.append(d0[1] + d1[1])
             salt += 1
             tps_g.append((await run(gw, model, a.concurrency, a.tokens, salt))[1])
-        added = [g - d for g, d in zip(sorted(ttft_g), sorted(ttft_d))]
+        added = [g - d for g, d in zip(sorted(ttft_g), sorted(ttft_d), strict=False)]
         return {"bench": "gateway_overhead", "concurrency": a.concurrency, "tokens": a.tokens, "rounds": a.rounds,
-                "direct_ttft_p50_ms": round(pct(ttft_d, 0.5) * 1e3, 3), "gateway_ttft_p50_ms": round(pct(ttft_g, 0.5) * 1e3, 3),
+                "direct_ttft_p50_ms": round(pct(ttft_d, 0.5) * 1e3, 3),
+                "gateway_ttft_p50_ms": round(pct(ttft_g, 0.5) * 1e3, 3),
                 "added_ttft_p50_ms": round((pct(ttft_g, 0.5) - pct(ttft_d, 0.5)) * 1e3, 3),
                 "added_ttft_p99_ms": round((pct(ttft_g, 0.99) - pct(ttft_d, 0.99)) * 1e3, 3),
                 "added_ttft_median_of_pairs_ms": round(statistics.median(added) * 1e3, 3),

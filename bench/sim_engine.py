@@ -31,7 +31,8 @@ VIDUR = "microsoft/vidur data/profiling"
 # Public measurements (sum over one forward of the per-layer operator medians x layers, no
 # embedding / LM head / attention, in ms), see docs/sim_engine.md for how they were read.
 ANCHORS_GEMM = {
-    "llama3-8b-h200": ("A100-80GB, Llama-3-8B TP1", {"gpu": "A100", "gpus": 1, "peak_tflops": 312.0, "hbm_gbps": 2039.0},
+    "llama3-8b-h200": ("A100-80GB, Llama-3-8B TP1",
+                       {"gpu": "A100", "gpus": 1, "peak_tflops": 312.0, "hbm_gbps": 2039.0},
                        f"{VIDUR}/compute/a100/meta-llama/Meta-Llama-3-8B/mlp.csv",
                        {1: 9.70, 32: 10.91, 256: 19.49, 1024: 75.14, 4096: 273.6, 8192: 543.9}),
     "llama3-70b-a800x8": ("A100-80GB x8, Llama-3-70B TP8", {"gpu": "A100", "gpus": 8, "peak_tflops": 312.0,
@@ -81,7 +82,8 @@ def section_model(quick: bool) -> None:
         lengths = (1024, 8192, 32768) if quick else (1024, 8192, 32768, 131071)
         print("  TTFT (single request): " + ", ".join(f"{round(n / 1024)}k: {ttft(name, n) * 1e3:,.0f} ms"
                                                       for n in lengths))
-        print("  TBT (1k-token contexts): " + ", ".join(f"batch {b}: {tbt(name, b) * 1e3:.1f} ms" for b in (1, 32, 128)))
+        tbts = ", ".join(f"batch {b}: {tbt(name, b) * 1e3:.1f} ms" for b in (1, 32, 128))
+        print("  TBT (1k-token contexts): " + tbts)
         xfer = 8192 * p.kv_bytes_per_token / p.net_bytes_per_s + p.efficiency["transfer_latency_ms"] / 1e3
         print(f"  KV transfer of an 8k-token prompt: {xfer * 1e3:.1f} ms")
 

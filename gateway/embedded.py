@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import time
 
 import aiohttp
 
+from engines_adapters.net import free_port
 from engines_adapters.sim.profiles import load_profile, register_profile, time_scaled
 from gateway.config import EmbeddedConfig, EngineConfig
 
@@ -25,12 +25,6 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass  # not Linux: stop() still ends the engines on a normal shutdown
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class EmbeddedCluster:

@@ -4,8 +4,8 @@ from __future__ import annotations
 import logging
 import socket
 
-from predictors.cli_args import CLIError, Parser, port
 from gateway.config import ConfigError, load_config
+from predictors.cli_args import CLIError, Parser, port
 
 
 def main(argv: list[str]) -> int:

@@ -46,7 +46,7 @@ def sped_up(w: Workload, speedup: float) -> Workload:
 def retimed(w: Workload, rate: float, process: str = "poisson", cv: float = 1.0, seed: int = 0) -> Workload:
     """The same requests, in the same order, arriving by a new process at ``rate`` per second."""
     times = arrival_times(len(w.requests), rate, process, cv, seed)
-    return replace(w, requests=[replace(r, arrival_s=t) for r, t in zip(w.requests, times)])
+    return replace(w, requests=[replace(r, arrival_s=t) for r, t in zip(w.requests, times, strict=True)])
 
 
 def rate_of(requests: list[Request]) -> float:

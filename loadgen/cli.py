@@ -35,13 +35,15 @@ def build_parser() -> Parser:
     p.add_argument("--endpoint", choices=tuple(ENDPOINTS), default="chat", help="chat = /v1/chat/completions (default)")
     p.add_argument("--prompt-format", choices=PROMPT_FORMATS, default="text",
                    help="token-ids sends token-id prompts (completions only): exact lengths under any tokenizer")
-    p.add_argument("--timeout", type=positive_float, default=300.0, metavar="S", help="per-request timeout (default 300 s)")
+    p.add_argument("--timeout", type=positive_float, default=300.0, metavar="S",
+                   help="per-request timeout (default 300 s)")
     p.add_argument("--probe-timeout", type=positive_float, default=3.0, metavar="S")
     p.add_argument("--max-lag-ms", type=positive_float, default=10.0,
                    help="flag the run when the client's send or event-loop lag p99 exceeds this (default 10)")
     p.add_argument("--step-pause", type=float, default=1.0, metavar="S", help="idle time between sweep steps")
     p.add_argument("--reuse-prompts", action="store_true",
-                   help="same prompt text in every step (default: a fresh salt per step and target, so caches start cold)")
+                   help="same prompt text in every step "
+                        "(default: a fresh salt per step and target, so caches start cold)")
     p.add_argument("--prompt-salt", metavar="TEXT",
                    help="base of the prompt salts (default: random per run; pin it to replay the very same text)")
     p.add_argument("--keep-token-times", action="store_true", help="write every chunk time to requests.jsonl")
@@ -66,7 +68,8 @@ def _config(a: argparse.Namespace, log) -> LoadgenConfig:
         targets=a.target, base=base, slo=slo, load_kind=kind, loads=loads, attainment_target=a.attainment_target,
         model=a.model, endpoint=a.endpoint, prompt_format=a.prompt_format, arrival=a.arrival, cv=a.burstiness,
         seed=a.seed, timeout_s=a.timeout, max_concurrency=a.max_concurrency, max_lag_ms=a.max_lag_ms,
-        reuse_prompts=a.reuse_prompts, prompt_salt=a.prompt_salt, step_pause_s=max(0.0, a.step_pause), probe_timeout_s=a.probe_timeout,
+        reuse_prompts=a.reuse_prompts, prompt_salt=a.prompt_salt, step_pause_s=max(0.0, a.step_pause),
+        probe_timeout_s=a.probe_timeout,
         progress=not a.quiet, api_key=a.api_key, regenerate=regenerate)
 
 

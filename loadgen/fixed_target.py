@@ -80,8 +80,9 @@ class FixedTarget:
 
     @staticmethod
     def _error(status: int, message: str, headers: dict | None = None) -> web.Response:
-        return web.json_response({"error": {"message": message, "type": "invalid_request_error" if status == 400 else "server_error",
-                                            "param": None, "code": status}}, status=status, headers=headers)
+        kind = "invalid_request_error" if status == 400 else "server_error"
+        return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": status}},
+                                 status=status, headers=headers)
 
     async def answer(self, req: web.Request, chat: bool) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
@@ -97,21 +98,22 @@ class FixedTarget:
             return self._error(500, "injected failure")
         if cfg.max_inflight is not None and self.inflight >= cfg.max_inflight:
             return self._error(429, "too many requests in flight",
-                               {"Retry-After": str(cfg.retry_after_s), "x-conductor-reject-reason": "overload: in-flight cap"})
+                               {"Retry-After": str(cfg.retry_after_s),
+                                "x-conductor-reject-reason": "overload: in-flight cap"})
         n = body.get("max_tokens")
         n = n if isinstance(n, int) and n >= 1 else 16
         if not body.get("ignore_eos") and cfg.eos_after:
             n = min(n, cfg.eos_after)
         stream = body.get("stream", False) and not cfg.never_stream
         self.inflight += 1
+        pair = {"x-conductor-prefill": cfg.prefill_name, "x-conductor-decode": cfg.decode_name}
         try:
             if not stream:
                 first = await self._prefill(arrived)
                 await asyncio.sleep(max(0.0, first + (n - 1) * cfg.itl_s - loop.time()))
-                return web.json_response(self._whole(chat, n, len(prompt)),
-                                         headers={"x-conductor-prefill": cfg.prefill_name, "x-conductor-decode": cfg.decode_name})
+                return web.json_response(self._whole(chat, n, len(prompt)), headers=pair)
             resp = web.StreamResponse(headers={"content-type": "text/event-stream", "cache-control": "no-cache",
-                                               "x-conductor-prefill": cfg.prefill_name, "x-conductor-decode": cfg.decode_name})
+                                               **pair})
             await resp.prepare(req)
             rid = f"fixed-{self.count}"
             if chat:  # a role-only chunk before any token, as OpenAI sends
@@ -155,7 +157,8 @@ class FixedTarget:
         usage = {"prompt_tokens": n_prompt, "completion_tokens": n, "total_tokens": n_prompt + n}
         if chat:
             return {"object": "chat.completion", "model": self.cfg.model, "usage": usage,
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": "a" * n}, "finish_reason": "length"}]}
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": "a" * n},
+                                 "finish_reason": "length"}]}
         return {"object": "text_completion", "model": self.cfg.model, "usage": usage,
                 "choices": [{"index": 0, "text": "a" * n, "finish_reason": "length"}]}
 
@@ -195,7 +198,8 @@ def _args(argv: list[str]):
     if a.ttft_ms < 0 or a.itl_ms < 0:
         p.error("--ttft-ms and --itl-ms must be >= 0")
     cfg = TargetConfig(a.ttft_ms / 1000, a.itl_ms / 1000, a.model, a.prefill_slots, a.max_inflight, a.eos_after,
-                       a.error_every, not a.no_usage, retry_after_s=int(a.retry_after), api_key=a.api_key, never_stream=a.never_stream)
+                       a.error_every, not a.no_usage, retry_after_s=int(a.retry_after), api_key=a.api_key,
+                       never_stream=a.never_stream)
     return a, cfg
 
 

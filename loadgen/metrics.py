@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Sequence
+from itertools import pairwise
 from typing import Any
 
 from predictors.telemetry import SLO, RequestRecord
@@ -92,11 +93,13 @@ def summarize(records: Sequence[RequestRecord], slo: SLO, duration_s: float | No
             "reported_by_target": sum(r.extra["usage_prompt_tokens"] for r in reported) if reported else None,
             "requests_checked": len(reported),
             "requests_mismatched": len(mismatched),
-            "max_abs_error": max((abs(r.extra["usage_prompt_tokens"] - r.prompt_tokens) for r in mismatched), default=0),
+            "max_abs_error": max((abs(r.extra["usage_prompt_tokens"] - r.prompt_tokens) for r in mismatched),
+                                 default=0),
         },
         "cached_tokens": {
             "reported": sum(r.cached_tokens for r in cached) if cached else None,
-            "hit_ratio": (sum(r.cached_tokens for r in cached) / max(1, sum(r.prompt_tokens for r in cached))) if cached else None,
+            "hit_ratio": (sum(r.cached_tokens for r in cached) / max(1, sum(r.prompt_tokens for r in cached))
+                          if cached else None),
         },
         "reject_reasons": dict(Counter(r.reject_reason or "unspecified" for r in records if r.status == "rejected")),
         "error_samples": sorted({r.error for r in records if r.status in ("error", "timeout") and r.error})[:3],
@@ -104,7 +107,8 @@ def summarize(records: Sequence[RequestRecord], slo: SLO, duration_s: float | No
     return summary
 
 
-def effective_capacity(loads: Sequence[float], attainments: Sequence[float | None], target: float = 0.9) -> dict[str, Any]:
+def effective_capacity(loads: Sequence[float], attainments: Sequence[float | None],
+                       target: float = 0.9) -> dict[str, Any]:
     """The highest load whose SLO attainment stays >= ``target``, reading the sweep upwards.
 
     Between the last load that meets the target and the first that does not, the crossing is
@@ -112,10 +116,10 @@ def effective_capacity(loads: Sequence[float], attainments: Sequence[float | Non
     at least the highest load (``"lower_bound"``); when none does, below the lowest (``"below_range"``).
     """
     by_load: dict[float, list[float]] = {}
-    for l, a in zip(loads, attainments):
+    for load, a in zip(loads, attainments, strict=True):
         if a is not None:
-            by_load.setdefault(l, []).append(a)
-    pts = sorted((l, sum(a) / len(a)) for l, a in by_load.items())  # a repeated load: its mean
+            by_load.setdefault(load, []).append(a)
+    pts = sorted((load, sum(a) / len(a)) for load, a in by_load.items())  # a repeated load: its mean
     res: dict[str, Any] = {"target": target, "value": None, "method": None, "between": None}
     if not pts:
         res["method"] = "no_data"
@@ -123,7 +127,7 @@ def effective_capacity(loads: Sequence[float], attainments: Sequence[float | Non
     if pts[0][1] < target:
         res.update(method="below_range", between=[0.0, pts[0][0]])
         return res
-    for (l0, a0), (l1, a1) in zip(pts, pts[1:]):
+    for (l0, a0), (l1, a1) in pairwise(pts):
         if a1 < target:
             x = l0 if a0 == a1 else l0 + (l1 - l0) * (a0 - target) / (a0 - a1)
             res.update(value=x, method="interpolated", between=[l0, l1])
@@ -138,7 +142,8 @@ def describe_capacity(cap: dict[str, Any], unit: str) -> str:
     m = cap["method"]
     if m == "interpolated":
         lo, hi = cap["between"]
-        return f"effective capacity ≈ {cap['value']:.3g}{unit} (attainment ≥ {t}; interpolated between {lo:g} and {hi:g})"
+        return (f"effective capacity ≈ {cap['value']:.3g}{unit} "
+                f"(attainment ≥ {t}; interpolated between {lo:g} and {hi:g})")
     if m == "lower_bound":
         return f"effective capacity ≥ {cap['value']:g}{unit} (attainment ≥ {t} at every load tried)"
     if m == "below_range":

@@ -78,11 +78,13 @@ def plot_latency(summary: dict, records: list[RequestRecord], path: str) -> None
     ttft_all, drawn = [], 0
     for ti, url in enumerate(targets):
         for li, load in enumerate(loads):
-            ok = [r for r in records if r.status == "ok" and r.extra.get("target") == url and r.extra.get("load") == load]
+            ok = [r for r in records
+                  if r.status == "ok" and r.extra.get("target") == url and r.extra.get("load") == load]
             if not ok:
                 continue
             color = cmap(li / max(1, len(loads) - 1) * 0.9)
-            label = (f"T{ti + 1} " if len(targets) > 1 else "") + (f"{load:g}x" if kind == "speedup" else f"{load:g} req/s") + f" (n={len(ok)})"
+            label = ((f"T{ti + 1} " if len(targets) > 1 else "")
+                     + (f"{load:g}x" if kind == "speedup" else f"{load:g} req/s") + f" (n={len(ok)})")
             ttft = [r.ttft_s * 1000 for r in ok]
             ttft_all += ttft
             _ecdf(a1, ttft, color=color, ls=_LINESTYLES[ti % 4], lw=1.6, label=label)

@@ -27,7 +27,8 @@ def write_outputs(out_dir: str, outcome: RunOutcome, keep_token_times: bool = Fa
     summary of its gaps (``extra.gaps``) instead of every chunk time; ``tbt_s`` and ``tpot_s``
     are written either way."""
     os.makedirs(out_dir, exist_ok=True)
-    paths = {name: os.path.join(out_dir, name) for name in ("summary.json", "requests.jsonl", "goodput.png", "latency.png")}
+    paths = {name: os.path.join(out_dir, name)
+             for name in ("summary.json", "requests.jsonl", "goodput.png", "latency.png")}
     with open(paths["summary.json"], "w") as f:
         json.dump(_clean(outcome.summary), f, indent=2)
         f.write("\n")
@@ -65,12 +66,13 @@ def format_table(summary: dict[str, Any]) -> str:
     for ti, t in enumerate(targets):
         for s in t["steps"]:
             rows.append(([f"T{ti + 1}"] if multi else []) + [
-                load_label(summary["load_kind"], s["load"]), str(s["requests"]), str(s["completed"]), str(s["rejected"]),
+                load_label(summary["load_kind"], s["load"]), str(s["requests"]), str(s["completed"]),
+                str(s["rejected"]),
                 str(s["errors"] + s["timeouts"]), _pct(s["slo_attainment"]), _num(s["goodput_rps"]),
                 _ms(s["ttft_s"]["p50"]), _ms(s["ttft_s"]["p99"]), _ms(s["tbt_s"]["p50"]), _ms(s["tbt_s"]["p99"]),
                 "-" if s["client"]["send_lag_ms"]["p99"] is None else f"{s['client']['send_lag_ms']['p99']:.1f}"])
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
-    fmt = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
+    fmt = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True))  # noqa: E731
     lines = [fmt(head), fmt(["-" * w for w in widths]), *(fmt(r) for r in rows)]
     lines.append("(times in ms; attain = requests meeting the SLO / requests sent; err includes timeouts)")
     unit = "x" if summary["load_kind"] == "speedup" else " req/s"
@@ -80,7 +82,8 @@ def format_table(summary: dict[str, Any]) -> str:
         g = [r["goodput_rps_ratio"] for r in c["steps"]]
         lines.append(f"{c['candidate']} / {c['baseline']}: goodput ratio per step "
                      + ", ".join("-" if x is None else f"{x:.2f}" for x in g)
-                     + (f"; effective capacity ratio {c['effective_capacity_ratio']:.2f}" if c["effective_capacity_ratio"] else ""))
+                     + (f"; effective capacity ratio {c['effective_capacity_ratio']:.2f}"
+                        if c["effective_capacity_ratio"] else ""))
     lines.append(client_line(summary))
     return "\n".join(lines)
 
@@ -93,7 +96,8 @@ def client_line(summary: dict[str, Any]) -> str:
     sl, ll = worst["send_lag_ms"], worst["loop_lag_ms"]
     rates = [s["offered_rps"] for t in targets for s in t["steps"]]
     text = (f"client send lag p50 {sl['p50'] or 0:.2f} ms, p99 {sl['p99'] or 0:.2f} ms, max {sl['max'] or 0:.2f} ms "
-            f"(n={sl['n']}, offered up to {max(rates, default=0):.1f} req/s); event-loop lag p99 {ll['p99'] or 0:.2f} ms; "
+            f"(n={sl['n']}, offered up to {max(rates, default=0):.1f} req/s); "
+            f"event-loop lag p99 {ll['p99'] or 0:.2f} ms; "
             f"client CPU up to {worst['cpu_util']:.0%} of a core")
     if summary["client_bottleneck"]:
         reasons = "; ".join(t["client"]["reason"] for t in targets if t["client"]["reason"])

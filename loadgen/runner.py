@@ -101,7 +101,8 @@ async def probe(base_url: str, timeout_s: float = 3.0, session: aiohttp.ClientSe
             except (ValueError, AttributeError, aiohttp.ContentTypeError):
                 return 200, []
     except asyncio.TimeoutError:
-        raise TargetUnreachable(f"target {base_url} unreachable: no answer to GET /v1/models within {timeout_s:g} s") from None
+        raise TargetUnreachable(
+            f"target {base_url} unreachable: no answer to GET /v1/models within {timeout_s:g} s") from None
     except (aiohttp.ClientError, OSError) as e:
         raise TargetUnreachable(f"target {base_url} unreachable: {_one_line(e)}") from None
     finally:
@@ -236,7 +237,8 @@ class _Step:
             rec.end_s = self.now()
             self.connect_errors_in_a_row += 1
             if self.connect_errors_in_a_row >= self.opts.abort_after_connect_errors and not self.aborted:
-                self.aborted = f"target became unreachable ({self.connect_errors_in_a_row} connection failures in a row: {_one_line(e)})"
+                self.aborted = (f"target became unreachable ({self.connect_errors_in_a_row} connection failures "
+                                f"in a row: {_one_line(e)})")
         except (aiohttp.ClientError, OSError) as e:
             rec.status, rec.error = "error", f"{type(e).__name__}: {_one_line(e)}"
             rec.end_s = self.now()
@@ -296,7 +298,8 @@ class _Step:
             if chunk.get("error"):
                 err = chunk["error"]
                 rec.status = "error"
-                rec.error = "stream error: " + _one_line(Exception(err.get("message", err) if isinstance(err, dict) else err))
+                message = err.get("message", err) if isinstance(err, dict) else err
+                rec.error = "stream error: " + _one_line(Exception(message))
                 rec.end_s = last
                 return
             if chunk.get("usage"):
@@ -361,7 +364,7 @@ async def run_sends(base_url: str, sends: list[Send], opts: RunnerOptions, progr
         if own:
             await session.close()
     records = []
-    for s, rec in zip(sends, step.records):
+    for s, rec in zip(sends, step.records, strict=True):
         if rec is None:
             rec = RequestRecord(s.request_id, arrival_s=s.request.arrival_s, prompt_tokens=s.prompt_tokens,
                                 max_tokens=s.request.output_length, status="aborted", error=step.aborted)

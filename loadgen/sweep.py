@@ -115,7 +115,8 @@ def prepare(w: Workload, model: str, cfg: LoadgenConfig, salt: str, tag: str) ->
     framing = ChatFraming.of()
     sends = []
     for r in w.requests:
-        body, n = build_body(r, synth, model=model, endpoint=cfg.endpoint, prompt_format=cfg.prompt_format, framing=framing)
+        body, n = build_body(r, synth, model=model, endpoint=cfg.endpoint, prompt_format=cfg.prompt_format,
+                             framing=framing)
         sends.append(Send(r, json.dumps(body, separators=(",", ":")).encode(), n, f"{tag}-r{r.index}"))
     return sends
 
@@ -155,7 +156,7 @@ def compare(base: dict[str, Any], cand: dict[str, Any]) -> dict[str, Any]:
     """Candidate / baseline for goodput, attainment, TTFT and TBT percentiles, per step and for
     the effective capacity (> 1 is better for goodput, attainment and capacity; < 1 for latency)."""
     steps = []
-    for sa, sb in zip(base["steps"], cand["steps"]):
+    for sa, sb in zip(base["steps"], cand["steps"], strict=False):  # a run aborted early has fewer steps
         row = {"load": sa["load"]}
         for path in _RATIO_KEYS:
             row["_".join(path) + "_ratio"] = ratio(_get(sa, path), _get(sb, path))
@@ -189,7 +190,8 @@ def _target_summary(ti: int, cfg: LoadgenConfig, steps: list[StepOutcome], model
     return agg
 
 
-def build_summary(cfg: LoadgenConfig, models: list[str], steps: list[StepOutcome], aborted: str | None) -> dict[str, Any]:
+def build_summary(cfg: LoadgenConfig, models: list[str], steps: list[StepOutcome],
+                  aborted: str | None) -> dict[str, Any]:
     """summary.json: the first target's numbers at top level (all its steps together), each
     step in ``steps``; with several targets, each under ``targets`` and their ratios under
     ``comparison``."""
@@ -261,10 +263,11 @@ async def run_async(cfg: LoadgenConfig, log: Callable[[str], None] | None = None
             sends = prepare(w, models[ti], cfg, salt, f"s{i}-t{ti}")
             name = f"target {ti + 1} " if len(cfg.targets) > 1 else ""
             label = f"[{i + 1}/{n_steps}] {name}{load_label(cfg.load_kind, load)}"
-            log(f"{label}: {len(sends)} requests to {url} over {w.span_s:.1f} s (offered {rate_of(w.requests):.2f} req/s)")
+            log(f"{label}: {len(sends)} requests to {url} over {w.span_s:.1f} s "
+                f"(offered {rate_of(w.requests):.2f} req/s)")
             progress = Progress(len(sends), label, cfg.slo, enabled=cfg.progress)
             result = await run_sends(url, sends, opts, progress)
-            for req, r in zip(w.requests, result.records):
+            for req, r in zip(w.requests, result.records, strict=True):
                 r.extra.update(target=url, step=i, load=load)
                 if req.line is not None:
                     r.extra["trace_line"] = req.line

@@ -106,7 +106,8 @@ def synthetic_workload(n_requests: int, rate: float, *, input_tokens: LengthDist
         hash_ids = tuple(block_id(c, j) for j in range(math.ceil(n_in / block_tokens)))
         reqs.append(Request(i, t, n_in, n_out, hash_ids, conversation=c, turn=k))
     desc = (f"synthetic(n={n_requests}, rate={rate:g}/s, {process}{'' if process == 'poisson' else f' cv={cv:g}'}, "
-            f"input={input_tokens}, output={output_tokens}, turns={turns}, shared_prefix_blocks={shared_prefix_blocks}, seed={seed})")
+            f"input={input_tokens}, output={output_tokens}, turns={turns}, "
+            f"shared_prefix_blocks={shared_prefix_blocks}, seed={seed})")
     return Workload(reqs, desc, "synthetic", block_tokens)
 
 

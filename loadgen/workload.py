@@ -14,11 +14,15 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
+from pathlib import Path
 
 #: Tokens per ``hash_ids`` block in Mooncake's trace release.
 TRACE_BLOCK_TOKENS = 512
 #: Largest block id prompt synthesis can encode (8 base-64 digits per block, loadgen.prompts).
 MAX_HASH_ID = 64**8 - 1
+#: Where the traces bundled with a source checkout live (data/traces/ at the repository root).
+#: They ship with the repository, not as package data: an installed wheel has no such folder.
+BUNDLED_TRACES = Path(__file__).resolve().parents[1] / "data" / "traces"
 #: Problems kept verbatim for the report (the rest are only counted).
 MAX_PROBLEMS_KEPT = 20
 
@@ -214,7 +218,8 @@ def read_azure(path: str, *, strict: bool = False, limit: int | None = None,
 
 def _workload(rows, path: str, kind: str, block_tokens: int, bad: _Problems) -> Workload:
     if not rows:
-        raise TraceError(f"{path}: no usable requests" + (f" ({bad.count} malformed lines; first: {bad.kept[0]})" if bad.kept else ""))
+        first = f" ({bad.count} malformed lines; first: {bad.kept[0]})" if bad.kept else ""
+        raise TraceError(f"{path}: no usable requests{first}")
     rows.sort(key=lambda r: r[0])  # stable: equal timestamps keep file order
     t0 = rows[0][0]
     reqs = [Request(i, t - t0, n_in, n_out, ids, line=ln) for i, (t, n_in, n_out, ids, ln) in enumerate(rows)]
@@ -243,3 +248,14 @@ def read_trace(path: str, fmt: str = "auto", **kw) -> Workload:
     if fmt == "azure":
         return read_azure(path, **kw)
     raise TraceError(f"unknown trace format {fmt!r}")
+
+
+def bundled_trace(name: str) -> Path:
+    """The path of a trace bundled in ``data/traces/`` (e.g. ``mooncake_conversation_trace.jsonl``).
+
+    Raises ``FileNotFoundError`` naming the folder when it is missing, as it is outside a source
+    checkout (the traces are repository data, not package data)."""
+    path = BUNDLED_TRACES / name
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such bundled trace (data/traces/ exists only in a source checkout)")
+    return path

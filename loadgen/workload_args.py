@@ -45,7 +45,8 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--trace", metavar="PATH", help="Mooncake JSONL (hash_ids) or Azure CSV trace")
     src.add_argument("--synthetic", action="store_true", help="generate the workload (see the synthetic options)")
-    p.add_argument("--format", choices=("auto", "mooncake", "azure"), default="auto", help="trace format (default: by extension)")
+    p.add_argument("--format", choices=("auto", "mooncake", "azure"), default="auto",
+                   help="trace format (default: by extension)")
     p.add_argument("--limit", type=positive_int, metavar="N", help="replay only the first N requests")
     load = p.add_mutually_exclusive_group()
     load.add_argument("--speedup", type=load_list, metavar="X[,X...]", help="compress trace time X-fold; a list sweeps")
@@ -55,9 +56,11 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--burstiness", type=positive_float, default=1.0, metavar="CV",
                    help="gamma inter-arrival coefficient of variation (1 = Poisson, > 1 burstier)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--strict", action="store_true", help="stop at the first malformed trace line (default: skip and count)")
+    p.add_argument("--strict", action="store_true",
+                   help="stop at the first malformed trace line (default: skip and count)")
     p.add_argument("--slo-ttft-ms", type=positive_float, metavar="MS")
-    p.add_argument("--slo-tbt-ms", type=positive_float, metavar="MS", help="bound on Mooncake TBT (slowest 10%% of gaps)")
+    p.add_argument("--slo-tbt-ms", type=positive_float, metavar="MS",
+                   help="bound on Mooncake TBT (slowest 10%% of gaps)")
     p.add_argument("--attainment-target", type=fraction, default=0.9, metavar="F",
                    help="effective capacity = highest load with attainment >= F (default 0.9)")
     g = p.add_argument_group("synthetic workload")
@@ -81,7 +84,8 @@ class WorkloadChoice:
 
 
 def workload_from_args(a: argparse.Namespace, log: Callable[[str], None]) -> WorkloadChoice:
-    slo = SLO(None if a.slo_ttft_ms is None else a.slo_ttft_ms / 1000, None if a.slo_tbt_ms is None else a.slo_tbt_ms / 1000)
+    slo = SLO(None if a.slo_ttft_ms is None else a.slo_ttft_ms / 1000,
+              None if a.slo_tbt_ms is None else a.slo_tbt_ms / 1000)
     regenerate = None
     if a.synthetic:
         if a.shared_prefix_blocks < 0 or a.turn_gap < 0:

@@ -24,7 +24,7 @@ def mooncake_tbt(intervals: list[float]) -> float:
     return sum(slowest) / k
 
 
-@dataclass
+@dataclass(frozen=True)
 class SLO:
     """Latency objectives; ``None`` means unconstrained."""
 

@@ -10,14 +10,15 @@ from contextlib import contextmanager
 
 import requests
 
-from gateway.embedded import free_port
+from engines_adapters.net import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def conductor(*args: str, log: str | None = None) -> subprocess.Popen:
     out = open(log, "wb") if log else subprocess.DEVNULL
-    return subprocess.Popen([sys.executable, "-m", "gateway.cli", *args], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+    return subprocess.Popen([sys.executable, "-m", "gateway.cli", *args], cwd=ROOT, stdout=out,
+                            stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONHASHSEED": "0"})
 
 

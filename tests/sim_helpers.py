@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import selectors
-import socket
 import subprocess
 import sys
 import time
@@ -23,12 +22,6 @@ ROOT = Path(__file__).resolve().parents[1]
 HASH_SEED = "0"
 # the `conductor` entry point (not `python -m gateway.cli`, which would load gateway.cli twice)
 CONDUCTOR = [sys.executable, "-c", "import sys; from gateway.cli import main; sys.exit(main(sys.argv[1:]))"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until(cond: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02, what: str = "condition"):

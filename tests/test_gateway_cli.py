@@ -4,8 +4,11 @@ import sys
 
 import pytest
 
-from gateway.embedded import free_port
+from engines_adapters.net import free_port
 from tests.servers import ROOT
+
+# starts real servers or subprocesses: `make test-fast` skips these
+pytestmark = pytest.mark.slow
 
 
 def run(*args: str) -> subprocess.CompletedProcess:

@@ -20,7 +20,8 @@ def test_example_config_parses():
 @pytest.mark.parametrize("raw, words", [
     ({"engines": [{"id": "a", "role": "middle", "url": "http://x"}]}, "role"),
     ({"engines": [{"id": "a", "role": "both", "url": "x"}]}, "url"),
-    ({"engines": [{"id": "a", "role": "both", "url": "http://x"}, {"id": "a", "role": "both", "url": "http://y"}]}, "duplicate"),
+    ({"engines": [{"id": "a", "role": "both", "url": "http://x"}, {"id": "a", "role": "both", "url": "http://y"}]},
+     "duplicate"),
     ({"bogus": 1}, "unknown key"),
     ({"slo": {"ttft_ms": -5}}, "positive"),
     ({"embedded": {"prefill": 1, "decode": 0}}, "pairs"),

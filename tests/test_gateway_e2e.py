@@ -12,6 +12,9 @@ import requests
 
 from tests.servers import RestartableEngine, engine_entry, gateway, sim_engine, stop, wait_until
 
+# starts real servers or subprocesses: `make test-fast` skips these
+pytestmark = pytest.mark.slow
+
 EMBEDDED = "[embedded]\nprefill = 2\ndecode = 2\n"
 
 
@@ -31,7 +34,8 @@ def test_sync_chat_and_completions(gw):
     r = c.chat.completions.create(model=gw["model"], messages=[{"role": "user", "content": "hello"}], max_tokens=5,
                                   extra_body={"ignore_eos": True})
     assert r.choices[0].message.content and r.usage.completion_tokens == 5
-    r = c.completions.create(model=gw["model"], prompt="once upon a time", max_tokens=4, extra_body={"ignore_eos": True})
+    r = c.completions.create(model=gw["model"], prompt="once upon a time", max_tokens=4,
+                             extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 4 and r.usage.prompt_tokens == len("once upon a time")
 
 
@@ -104,7 +108,8 @@ def test_tight_ttft_slo_gets_429_with_retry_after(gw):
     (dict(json={"model": "m"}), 400, "messages"),
     (dict(json={"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]}), 404, "model"),
     (dict(json={"messages": [{"role": "user", "content": "x"}]}), 400, "model"),
-    (dict(json={"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "max_tokens": -1}), 400, "max_tokens"),
+    (dict(json={"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "max_tokens": -1}), 400,
+     "max_tokens"),
     (dict(data=b"{" + b" " * (9 * 1024 * 1024) + b"}"), 413, None),
 ])
 def test_bad_inputs_get_openai_errors(gw, send, status, field):
@@ -147,7 +152,8 @@ def _stream_and_maybe_drop(url: str, model: str, i: int, drop: bool) -> str:
 
 
 def test_no_reservation_leaks_after_disconnects_and_an_engine_killed():
-    with sim_engine("prefill") as p1, sim_engine("prefill") as p2, sim_engine("decode") as d1, sim_engine("decode") as d2:
+    with (sim_engine("prefill") as p1, sim_engine("prefill") as p2,
+          sim_engine("decode") as d1, sim_engine("decode") as d2):
         cfg = ['policy = "conductor"', "health_interval_s = 0.2", "[slo]", "ttft_ms = 600000", "tbt_ms = 600000"]
         for name, e, role in (("p1", p1, "prefill"), ("p2", p2, "prefill"), ("d1", d1, "decode"), ("d2", d2, "decode")):
             cfg += engine_entry(name, role, e["url"], e["kv"], e["replay"])

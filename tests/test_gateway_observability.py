@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import json
-import os
 
+import pytest
 import requests
 
 from predictors.telemetry import RequestRecord
 from tests.servers import gateway, stop
+
+# starts real servers or subprocesses: `make test-fast` skips these
+pytestmark = pytest.mark.slow
 
 
 def test_spans_and_telemetry_record(tmp_path):

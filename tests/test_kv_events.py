@@ -1,9 +1,15 @@
 """The gateway's KV-event subscriber against the sim engine's publisher: replay on join, replay on a
-sequence gap, rebuild on restart and when replay cannot cover the gap."""
+sequence gap, rebuild on restart and when replay cannot cover the gap.
+
+Lost batches are made deterministically: a :class:`LossyPublisher` drops a burst on its PUB socket
+(as a full ZMQ pipe would) while still numbering and buffering it for replay, and the tests wait
+until the publisher thread has handled the whole burst. Waits poll a condition with a deadline.
+"""
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from types import SimpleNamespace
 
@@ -12,10 +18,9 @@ import zmq
 import zmq.asyncio
 
 from engines_adapters.kv_events import KVEventSubscriber, subscriber_address
-from engines_adapters.kv_wire import publisher_binds
-from engines_adapters.kv_wire import BlockStored
+from engines_adapters.kv_wire import BlockStored, publisher_binds
+from engines_adapters.net import free_port
 from engines_adapters.sim.publisher import KVEventPublisher
-from gateway.embedded import free_port
 from scheduler.hashing import block_hashes, vllm_block_hashes
 from scheduler.hit_index import HitIndex
 
@@ -58,6 +63,43 @@ async def nudge_until(pub: KVEventPublisher, cond, tries: int = 100) -> None:
     assert cond()
 
 
+class _LossyPubSocket:
+    """The publisher's PUB socket, losing every batch sent while ``lose`` is set."""
+
+    def __init__(self, sock: zmq.Socket, lose: threading.Event):
+        self._sock, self._lose = sock, lose
+
+    def send_multipart(self, frames) -> None:
+        if not self._lose.is_set():
+            self._sock.send_multipart(frames)
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+class LossyPublisher(KVEventPublisher):
+    """The sim engine's publisher on a network that loses batches on demand: what a subscriber
+    sees when a burst overflows the ZMQ pipe, but the same every run."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.lose = threading.Event()
+
+    def _open(self):
+        pub, replay = super()._open()
+        return _LossyPubSocket(pub, self.lose), replay
+
+
+async def lose_burst(pub: LossyPublisher, batches: list[BlockStored]) -> None:
+    """Publish ``batches`` so that none reaches a subscriber live (all stay in the replay buffer)."""
+    pub.lose.set()
+    target = pub.published + len(batches)
+    for ev in batches:
+        pub.publish(time.time(), [ev])
+    await until(lambda: pub.published == target)
+    pub.lose.clear()
+
+
 def held_blocks(index: HitIndex, tokens: list[int]) -> int:
     return index.match(block_hashes(tokens, BS)).device.get("e", 0)
 
@@ -75,7 +117,7 @@ def run_case(coro):
 async def wired(ep: str, rep: str, *, subscribe: bool = True, idle_probe_s: float = 1.0, **pub_kw):
     """A hit index fed by a subscriber on (ep, rep) and a sim-engine publisher; torn down after."""
     env = SimpleNamespace(index=HitIndex(BS), ctx=zmq.asyncio.Context(), sub=None, task=None,
-                          pub=KVEventPublisher(ep, rep, **pub_kw))
+                          pub=LossyPublisher(ep, rep, **pub_kw))
     env.index.register("e")
 
     def start_subscriber() -> None:
@@ -121,14 +163,12 @@ def test_late_joiner_replays_history_then_follows_live(endpoints):
 
 def test_gap_is_filled_by_replay(endpoints):
     async def case():
-        # tiny pipe: a burst the subscriber does not read is dropped
-        async with wired(*endpoints, hwm=2) as env:
+        async with wired(*endpoints) as env:
             batches = chain(60, salt=2)
             env.pub.publish(time.time(), [batches[0][1]])
             await nudge_until(env.pub, lambda: held_blocks(env.index, batches[0][0]) == 1)
-            for _, ev in batches[1:]:
-                env.pub.publish(time.time(), [ev])
-            time.sleep(0.3)  # block the loop on purpose so the burst overflows the SUB pipe
+            await lose_burst(env.pub, [ev for _, ev in batches[1:]])
+            # the next live batch shows the subscriber the gap; replay fills it
             await nudge_until(env.pub, lambda: held_blocks(env.index, batches[-1][0]) == 60)
             assert env.sub.stats.gaps >= 1 and env.sub.stats.rebuilds == 0
 
@@ -166,13 +206,11 @@ def test_restart_rebuilds_from_the_new_incarnation(endpoints):
 
 def test_gap_beyond_the_replay_buffer_rebuilds(endpoints):
     async def case():
-        async with wired(*endpoints, buffer_steps=2, hwm=2) as env:
+        async with wired(*endpoints, buffer_steps=2) as env:
             first = chain(1, salt=5)[0]
             env.pub.publish(time.time(), [first[1]])
             await nudge_until(env.pub, lambda: held_blocks(env.index, first[0]) == 1)
-            for _, ev in chain(40, salt=6):
-                env.pub.publish(time.time(), [ev])
-            time.sleep(0.3)  # overflow the pipe; a 2-batch replay buffer cannot cover the gap
+            await lose_burst(env.pub, [ev for _, ev in chain(40, salt=6)])  # a 2-batch buffer cannot cover it
             await nudge_until(env.pub, lambda: env.sub.stats.rebuilds >= 1)
             # the rebuilt instance holds nothing from before the gap: no stale state survives
             assert held_blocks(env.index, first[0]) == 0
@@ -196,13 +234,11 @@ def test_resync_drops_and_rebuilds_from_replay(endpoints):
 
 def test_idle_probe_recovers_a_lost_tail_without_later_batches(endpoints):
     async def case():
-        async with wired(*endpoints, hwm=2, idle_probe_s=0.2) as env:
+        async with wired(*endpoints, idle_probe_s=0.2) as env:
             batches = chain(30, salt=8)
             env.pub.publish(time.time(), [batches[0][1]])
             await nudge_until(env.pub, lambda: held_blocks(env.index, batches[0][0]) == 1)
-            for _, ev in batches[1:]:
-                env.pub.publish(time.time(), [ev])
-            time.sleep(0.3)  # the burst overflows the pipe, and nothing is published after it
+            await lose_burst(env.pub, [ev for _, ev in batches[1:]])  # and nothing is published after it
             await until(lambda: held_blocks(env.index, batches[-1][0]) == 30)
             assert env.sub.stats.tail_recoveries >= 1 and env.sub.stats.rebuilds == 0
 

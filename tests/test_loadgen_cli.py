@@ -1,6 +1,5 @@
 """``conductor loadgen`` end to end: sweeps, effective capacity, two targets, outputs, bad input."""
 import json
-import socket
 import time
 from itertools import islice
 from pathlib import Path
@@ -8,10 +7,13 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
+from engines_adapters.net import free_port
 from gateway.cli import main as _conductor
 from loadgen.fixed_target import spawn
+from tests.traces import MOONCAKE
 
-MOONCAKE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+# starts real servers or subprocesses: `make test-fast` skips these
+pytestmark = pytest.mark.slow
 
 
 def conductor(argv):
@@ -36,7 +38,8 @@ def test_sweep_two_targets_capacity_and_outputs(tmp_path, capsys):
     common = ("--ttft-ms", "20", "--itl-ms", "2")
     with spawn(*common, "--prefill-slots", "1") as a, spawn(*common, "--prefill-slots", "2") as b:
         rc = conductor(["loadgen", "--target", a, "--target", b, "--synthetic", "--requests", "40",
-                        "--input-tokens", "uniform:200:600", "--output-tokens", "6", "--turns", "2", "--turn-gap", "0.1",
+                        "--input-tokens", "uniform:200:600", "--output-tokens", "6", "--turns", "2",
+                        "--turn-gap", "0.1",
                         "--rate", "10,20,90", "--slo-ttft-ms", "100", "--slo-tbt-ms", "50",
                         "--step-pause", "0.2", "--out", str(out), "--seed", "3"])
     captured = capsys.readouterr()
@@ -60,7 +63,7 @@ def test_sweep_two_targets_capacity_and_outputs(tmp_path, capsys):
              if line.startswith("[") and "requests to" in line]
     assert order == ["target 1 10 req/s", "target 2 10 req/s", "target 2 20 req/s", "target 1 20 req/s",
                      "target 1 90 req/s", "target 2 90 req/s"]
-    lines = [json.loads(l) for l in (out / "requests.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
     assert len(lines) == 240
     r = lines[0]
     assert {"arrival_s", "sent_s", "ttft_s", "tbt_s", "tpot_s", "status", "output_tokens"} <= set(r)
@@ -99,7 +102,8 @@ def test_malformed_trace_skipped_or_strict(tmp_path, capsys):
         assert s["workload"]["skipped_lines"] == 1 and s["requests"] == 4
         rc = conductor(["loadgen", "--target", url, "--trace", str(p), "--strict", "--out", str(tmp_path / "o2")])
     err = capsys.readouterr().err
-    assert rc == 2 and err.strip().splitlines() == [f"conductor loadgen: error: {p}:5: not JSON (Expecting value at column 1)"]
+    assert rc == 2
+    assert err.strip().splitlines() == [f"conductor loadgen: error: {p}:5: not JSON (Expecting value at column 1)"]
 
 
 def test_ctrl_c_keeps_partial_results(tmp_path):
@@ -113,7 +117,8 @@ def test_ctrl_c_keeps_partial_results(tmp_path):
     root = Path(__file__).resolve().parents[1]
     with spawn("--ttft-ms", "50", "--itl-ms", "20") as url:
         proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "loadgen", "--target", url, "--synthetic",
-                                 "--requests", "100", "--rate", "20", "--output-tokens", "20", "--out", str(out), "--quiet"],
+                                 "--requests", "100", "--rate", "20", "--output-tokens", "20", "--out", str(out),
+                                 "--quiet"],
                                 cwd=root, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
         for line in proc.stderr:  # the step has started sending
             if "requests to" in line:
@@ -126,21 +131,20 @@ def test_ctrl_c_keeps_partial_results(tmp_path):
     assert "interrupted: partial results written" in rest
     s = json.loads((out / "summary.json").read_text())
     assert s["aborted"] == "interrupted" and s["completed"] >= 5
-    statuses = [json.loads(l)["status"] for l in (out / "requests.jsonl").read_text().splitlines()]
+    statuses = [json.loads(line)["status"] for line in (out / "requests.jsonl").read_text().splitlines()]
     assert len(statuses) == 100 and statuses.count("aborted") >= 50 and statuses.count("ok") == s["completed"]
     assert set(statuses) <= {"ok", "aborted"}
 
 
 def test_unreachable_target_fails_fast_in_one_line(tmp_path, capsys):
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    dead = f"http://127.0.0.1:{s.getsockname()[1]}"
-    s.close()
+    dead = f"http://127.0.0.1:{free_port()}"
     t = time.monotonic()
-    rc = conductor(["loadgen", "--target", dead, "--trace", str(trace_slice(tmp_path, 3)), "--out", str(tmp_path / "o")])
+    rc = conductor(["loadgen", "--target", dead, "--trace", str(trace_slice(tmp_path, 3)),
+                    "--out", str(tmp_path / "o")])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and time.monotonic() - t < 5
-    assert len([l for l in err if "error" in l]) == 1 and err[-1].startswith(f"conductor loadgen: error: target {dead} unreachable: ")
+    assert len([line for line in err if "error" in line]) == 1
+    assert err[-1].startswith(f"conductor loadgen: error: target {dead} unreachable: ")
 
 
 def test_api_key_is_sent(tmp_path, capsys):

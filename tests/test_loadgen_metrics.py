@@ -92,7 +92,8 @@ def test_compare_gives_candidate_over_baseline():
     def t(url, good, att, cap):
         return {"target": url, "effective_capacity": {"value": cap, "method": "interpolated"},
                 "steps": [{"load": 1, "goodput_rps": good, "slo_attainment": att,
-                           "ttft_s": {"p50": 0.2, "p90": 0.4, "p99": 0.0}, "tbt_s": {"p50": None, "p90": 0.1, "p99": 0.2}}]}
+                           "ttft_s": {"p50": 0.2, "p90": 0.4, "p99": 0.0},
+                           "tbt_s": {"p50": None, "p90": 0.1, "p99": 0.2}}]}
     c = compare(t("a", 2.0, 0.5, 4.0), t("b", 3.0, 1.0, 6.0))
     row = c["steps"][0]
     assert row["goodput_rps_ratio"] == pytest.approx(1.5) and row["slo_attainment_ratio"] == pytest.approx(2.0)

@@ -1,6 +1,5 @@
 """Prompt synthesis reproduces a trace's prefix sharing exactly under the built-in tokenizer."""
 from itertools import combinations
-from pathlib import Path
 
 import pytest
 
@@ -8,8 +7,8 @@ from engines_adapters.tokenizer import ByteTokenizer
 from loadgen.prompts import ChatFraming, PromptSynth, build_body, build_prompt
 from loadgen.workload import Request, read_mooncake
 from scheduler.hashing import block_hashes
+from tests.traces import MOONCAKE
 
-MOONCAKE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 tok = ByteTokenizer()
 
 
@@ -52,11 +51,11 @@ def test_engine_prefix_cache_sees_exactly_the_shared_blocks(trace):
     hashes = {r.index: block_hashes(tokens(r, synth, "chat"), 16) for r in reqs}
     checked = 0
     for a, b in combinations(reqs, 2):
-        m = next((k for k, (x, y) in enumerate(zip(a.hash_ids, b.hash_ids)) if x != y), None)
+        m = next((k for k, (x, y) in enumerate(zip(a.hash_ids, b.hash_ids, strict=False)) if x != y), None)
         if m is None:
             continue  # one id list is a prefix of the other: not a divergence
         ha, hb = hashes[a.index], hashes[b.index]
-        common = next((k for k, (x, y) in enumerate(zip(ha, hb)) if x != y), min(len(ha), len(hb)))
+        common = next((k for k, (x, y) in enumerate(zip(ha, hb, strict=False)) if x != y), min(len(ha), len(hb)))
         assert common == 32 * m, (a.index, b.index, m)
         checked += 1
     assert checked > 5000

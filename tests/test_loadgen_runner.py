@@ -2,17 +2,20 @@
 a free loopback port): what it measures must agree with what the target does."""
 import asyncio
 import json
-import socket
 import statistics
 
 import pytest
 
+from engines_adapters.net import free_port
 from loadgen.fixed_target import spawn
-from loadgen.metrics import percentile, summarize
+from loadgen.metrics import summarize
 from loadgen.prompts import ENDPOINTS, PromptSynth, build_body
 from loadgen.runner import RunnerOptions, Send, TargetUnreachable, probe, run_sends
 from loadgen.workload import Request
 from predictors.telemetry import SLO
+
+# starts real servers or subprocesses: `make test-fast` skips these
+pytestmark = pytest.mark.slow
 
 TTFT, ITL = 0.080, 0.020
 
@@ -73,8 +76,10 @@ def test_open_loop_sends_on_time_whatever_the_target_does(fixed):
     arrivals = [i * 0.0125 for i in range(40)]
     res = run(fixed, sends(arrivals, n_out=8))
     assert all(r.status == "ok" for r in res.records)
+    # open loop: no send waited for an answer, so every send's lateness is below the shortest TTFT
+    # measured in this same run (a closed loop would delay later sends by at least one)
     late = [r.sent_s - r.arrival_s for r in res.records]
-    assert max(late) < 0.05
+    assert max(late) < min(r.ttft_s for r in res.records)
     first_done = min(r.end_s for r in res.records)
     assert sum(r.sent_s < first_done for r in res.records) >= 10  # many in flight before any answer ended
     assert len(res.send_lags_s) == 40 and len(res.loop_lags_s) > 10
@@ -126,14 +131,6 @@ def test_timeout_is_its_own_status():
     assert r.status == "timeout" and 0.35 < r.end_s - r.sent_s < 1.5
 
 
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
 def test_probe_and_dead_target_abort_quickly(fixed):
     assert asyncio.run(probe(fixed)) == (200, ["fixed-model"])
     dead = f"http://127.0.0.1:{free_port()}"
@@ -145,17 +142,5 @@ def test_probe_and_dead_target_abort_quickly(fixed):
     assert statuses.count("error") >= 5 and statuses.count("aborted") >= 10
     assert all(r.error.startswith("connect:") for r in res.records if r.status == "error")
 
-
-def test_client_lag_at_50_requests_per_second(fixed):
-    """The client keeps its schedule at 50 req/s (the documented figure comes from the CLI run;
-    here a generous bound, since the test machine is shared)."""
-    import random
-
-    rng, t, arrivals = random.Random(4), 0.0, []
-    for _ in range(150):
-        arrivals.append(t)
-        t += rng.expovariate(50)
-    res = run(fixed, sends(arrivals, n_out=6, n_in=2000))
-    assert all(r.status == "ok" for r in res.records)
-    assert percentile(res.send_lags_s, 99) < 0.025
-    assert res.cpu_util < 0.9
+# The client's send lag and CPU at 50 req/s are wall-clock figures of the machine: bench/loadgen_lag.py
+# prints them (docs/loadgen.md has the documented runs).

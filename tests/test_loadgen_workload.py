@@ -3,7 +3,7 @@ import json
 import math
 import statistics
 from datetime import datetime
-from itertools import islice
+from itertools import islice, pairwise
 from pathlib import Path
 
 import pytest
@@ -11,10 +11,7 @@ import pytest
 from loadgen.arrivals import arrival_times, rate_of, retimed, sped_up
 from loadgen.synthetic import parse_dist, synthetic_workload, to_mooncake_jsonl
 from loadgen.workload import TraceError, read_azure, read_mooncake, read_trace
-
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
-MOONCAKE = TRACES / "mooncake_conversation_trace.jsonl"
-AZURE = TRACES / "azure_code_2023.csv"
+from tests.traces import AZURE, MOONCAKE
 
 
 def head(path: Path, n: int) -> list[str]:
@@ -28,11 +25,12 @@ def test_mooncake_slice_read_as_recorded(tmp_path):
     p.write_text("".join(lines))
     w = read_trace(str(p))
     assert w.kind == "mooncake" and w.skipped == 0 and len(w.requests) == 200
-    raw = [json.loads(l) for l in lines]
+    raw = [json.loads(line) for line in lines]
     t0 = min(d["timestamp"] for d in raw)
-    for r, d in zip(w.requests, sorted(raw, key=lambda d: d["timestamp"])):
+    for r, d in zip(w.requests, sorted(raw, key=lambda d: d["timestamp"]), strict=True):
         assert r.arrival_s == pytest.approx((d["timestamp"] - t0) / 1000)
-        assert (r.input_length, r.output_length, list(r.hash_ids)) == (d["input_length"], d["output_length"], d["hash_ids"])
+        assert (r.input_length, r.output_length, list(r.hash_ids)) == (d["input_length"], d["output_length"],
+                                                                         d["hash_ids"])
     assert [r.index for r in w.requests] == list(range(200))
 
 
@@ -74,8 +72,8 @@ def test_azure_slice_relative_times_and_unique_prompts(tmp_path):
     p.write_text("".join(lines))
     w = read_trace(str(p))
     assert w.kind == "azure" and len(w.requests) == 50
-    stamps = [datetime.strptime(l.split(",")[0][:26], "%Y-%m-%d %H:%M:%S.%f").timestamp() for l in lines[1:]]
-    for r, t, l in zip(w.requests, sorted(stamps), lines[1:]):
+    stamps = [datetime.strptime(line.split(",")[0][:26], "%Y-%m-%d %H:%M:%S.%f").timestamp() for line in lines[1:]]
+    for r, t in zip(w.requests, sorted(stamps), strict=True):
         assert r.arrival_s == pytest.approx(t - min(stamps), abs=1e-5)
     ids = [h for r in w.requests for h in r.hash_ids]
     assert len(ids) == len(set(ids))  # no prefix information: no sharing
@@ -105,7 +103,7 @@ def test_speedup_divides_trace_time():
 @pytest.mark.parametrize("process,cv", [("poisson", 1.0), ("gamma", 3.0), ("gamma", 0.5)])
 def test_arrival_processes_have_the_asked_rate_and_burstiness(process, cv):
     t = arrival_times(6000, rate=20.0, process=process, cv=cv, seed=7)
-    gaps = [b - a for a, b in zip(t, t[1:])]
+    gaps = [b - a for a, b in pairwise(t)]
     assert t[0] == 0 and all(g >= 0 for g in gaps)
     assert statistics.fmean(gaps) == pytest.approx(1 / 20, rel=0.08)
     assert statistics.pstdev(gaps) / statistics.fmean(gaps) == pytest.approx(cv, rel=0.15)
@@ -116,14 +114,14 @@ def test_rate_replacement_keeps_order_and_requests():
     r = retimed(w, rate=50, seed=1)
     assert [(q.input_length, q.hash_ids) for q in r.requests] == [(q.input_length, q.hash_ids) for q in w.requests]
     assert rate_of(r.requests) == pytest.approx(50, rel=0.2)
-    assert all(a.arrival_s <= b.arrival_s for a, b in zip(r.requests, r.requests[1:]))
+    assert all(a.arrival_s <= b.arrival_s for a, b in pairwise(r.requests))
 
 
 def test_multi_turn_context_grows_and_reuses_the_previous_turn():
     w = synthetic_workload(120, rate=5, input_tokens=parse_dist("uniform:100:400"), output_tokens=parse_dist("50"),
                            turns=4, turn_gap_s=2.0, shared_prefix_blocks=1, seed=3)
     assert len(w.requests) == 120
-    assert all(a.arrival_s <= b.arrival_s for a, b in zip(w.requests, w.requests[1:]))
+    assert all(a.arrival_s <= b.arrival_s for a, b in pairwise(w.requests))
     convs: dict[int, list] = {}
     for r in w.requests:
         convs.setdefault(r.conversation, []).append(r)
@@ -132,7 +130,7 @@ def test_multi_turn_context_grows_and_reuses_the_previous_turn():
     assert len(convs) == 30
     for turns in convs.values():
         assert [t.turn for t in turns] == list(range(len(turns)))  # turns arrive in order
-        for a, b in zip(turns, turns[1:]):
+        for a, b in pairwise(turns):
             new_user = b.input_length - a.input_length - a.output_length
             assert 100 <= new_user <= 400  # previous prompt + answer + a new message
             full = a.input_length // 512

@@ -18,9 +18,9 @@ def facts(rid, n=2000, max_tokens=200, slo=None, seed=1):
     return RequestFacts(rid, n, block_hashes(t, BS), max_tokens, slo)
 
 
-def make(slo=SLO(), **kw):
+def make(slo: SLO | None = None, **kw):
     clock = Clock(50.0)
-    sched = Scheduler([Instance("p0", "prefill"), Instance("d0", "decode")], slo=slo, clock=clock, **kw)
+    sched = Scheduler([Instance("p0", "prefill"), Instance("d0", "decode")], slo=slo or SLO(), clock=clock, **kw)
     return sched, clock
 
 

@@ -282,7 +282,7 @@ def test_longest_prefix_on_long_chains_spanning_many_walk_chunks(stores, holes, 
         return n
 
     for i in INSTANCES:
-        h = held[i]
-        assert m.device.get(i, 0) == run(lambda x: x in h["device"])
-        assert m.local.get(i, 0) == run(lambda x: x in h["device"] or x in h["host"])
+        device, local = held[i]["device"], held[i]["device"] | held[i]["host"]
+        assert m.device.get(i, 0) == run(device.__contains__)
+        assert m.local.get(i, 0) == run(local.__contains__)
     assert m.store == run(lambda x: any(x in held[i]["store"] for i in INSTANCES))

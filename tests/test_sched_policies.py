@@ -79,10 +79,20 @@ def test_conductor_without_peer_pull_only_pulls_from_the_store():
     hold(sched, "p1", doc)
     busy(sched, "p1", seconds=5.0)
     d = sched.decide(facts("r", doc + toks(2, 300)))
-    assert d.prefill in ("p0", "p2") and d.transfer_from is None and d.hit_tokens == 0
+    assert d.prefill in ("p0", "p2") and (d.transfer_from, d.transfer_tokens, d.hit_tokens) == (None, 0, 0)
+    rows = {r["id"]: r for r in candidates(d.explanation, "prefill")}
+    assert all(rows[i]["transfer_from"] is None and rows[i]["hit_tokens"] == 0 for i in ("p0", "p2"))
+    busy_with_r, idle = d.prefill, ({"p0", "p2"} - {d.prefill}).pop()
+    # now the first 4000 tokens are also in the store: every instance without them pulls them from
+    # there (4000 tokens move in ~10 ms, recomputing them costs far more), and the idle one wins
     hold(sched, "p1", doc[:4000], medium="EXTERNAL")
     d = sched.decide(facts("r2", doc + toks(3, 300)))
-    assert d.transfer_from in ("store", None) and d.transfer_from != "p1"
+    assert d.prefill == idle
+    assert (d.transfer_from, d.transfer_tokens, d.hit_tokens, d.local_hit_tokens) == ("store", 4000, 4000, 0)
+    assert 0 < d.transfer_s < sched.predictors.prefill.prefill_time(idle, 6300, 0) - d.prefill_s
+    rows = {r["id"]: r for r in candidates(d.explanation, "prefill")}
+    assert (rows[busy_with_r]["transfer_from"], rows[busy_with_r]["transfer_tokens"]) == ("store", 4000)
+    assert (rows["p1"]["transfer_from"], rows["p1"]["local_hit_tokens"]) == (None, 6000)  # its own prefix
 
 
 def test_conductor_recomputes_when_the_network_is_slower_than_the_prefill_it_would_save():

@@ -3,11 +3,23 @@ import pytest
 from hypothesis import given, strategies as st
 
 from engines_adapters.sim.profiles import load_profile
-from predictors.analytic import (AnalyticPrefill, AnalyticQueue, AnalyticTBT, AnalyticTransfer, ProfileBook,
-                                 analytic_predictors)
+from predictors.analytic import (
+    AnalyticPrefill,
+    AnalyticQueue,
+    AnalyticTBT,
+    AnalyticTransfer,
+    ProfileBook,
+    analytic_predictors,
+)
+from predictors.base import (
+    DecodeState,
+    PrefillPredictor,
+    PrefillState,
+    QueuePredictor,
+    TBTPredictor,
+    TransferPredictor,
+)
 from predictors.types import Tier
-from predictors.base import (DecodeState, PrefillPredictor, PrefillState, QueuePredictor, TBTPredictor,
-                             TransferPredictor)
 
 BOOK = ProfileBook({"small": "llama3-8b-h200", "big": "llama3-70b-a800x8"})
 PRED = analytic_predictors(BOOK)

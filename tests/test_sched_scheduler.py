@@ -107,9 +107,13 @@ def test_placement_carries_every_term_and_a_reservation_until_released():
     assert snap[d.prefill]["reserved_prefill_tokens"] == 3000 and snap[d.prefill]["active_requests"] == 1
     assert snap[d.decode]["kv_tokens"] == 3500 and snap[d.decode]["running"] == 1
     assert sched.decide(facts("r")).reason == "duplicate_request_id"
-    # the next request sees the first in its queue
+    # the next request sees the first in its instance's queue, and so goes to the idle one
     second = sched.evaluate(facts("s", seed=2))
-    assert second.prefill != d.prefill or second.queue_tokens == 3000
+    rows = {r["id"]: r for r in candidates(second.explanation, "prefill")}
+    idle = ({"p0", "p1"} - {d.prefill}).pop()
+    assert (rows[d.prefill]["queue_tokens"], rows[d.prefill]["queue_requests"]) == (3000, 1)
+    assert rows[d.prefill]["queue_s"] > 0 and (rows[idle]["queue_tokens"], rows[idle]["queue_s"]) == (0, 0.0)
+    assert second.prefill == idle and second.queue_tokens == 0
     clock.t += 0.01
     assert sched.prefill_done("r") and not sched.prefill_done("r")
     snap = {r["id"]: r for r in sched.snapshot()["instances"]}
@@ -187,7 +191,7 @@ def test_observed_load_reconciles_the_view():
 def test_explanations_hold_every_candidate_and_render_one_line_each():
     sched, _ = pd(keep_decisions=3)
     for k in range(5):
-        sched.decide(facts(f"r{k}", seed=k))
+        last = sched.decide(facts(f"r{k}", seed=k))
     assert [rec["request_id"] for rec in sched.decisions] == ["r2", "r3", "r4"]  # bounded, latest last
     rec = sched.decisions[-1]
     assert rec["prefill"]["columns"] == PREFILL_COLUMNS and rec["decode"]["columns"] == DECODE_COLUMNS
@@ -195,7 +199,8 @@ def test_explanations_hold_every_candidate_and_render_one_line_each():
     assert [r["id"] for r in rows] == ["p0", "p1"]
     for r in rows:
         assert r["ttft_s"] == pytest.approx(r["transfer_s"] + r["queue_s"] + r["prefill_s"])
-    assert rec["chosen"]["prefill"] in ("p0", "p1") and rec["why"]["prefill"] and rec["why"]["decode"]
+    assert rec["chosen"] == {"prefill": last.prefill, "decode": last.decode}
+    assert rec["why"]["prefill"] and rec["why"]["decode"]
     lines = format_lines(rec)
     assert len(lines) == 1 + 2 + 2 + 1 and lines[-1].startswith("placed on")
     assert any(line.startswith("* prefill") for line in lines) and any(line.startswith("* decode") for line in lines)

@@ -9,6 +9,9 @@ import pytest
 
 from tests.sim_helpers import ROOT, run_cli
 
+# starts real servers or subprocesses: `make test-fast` skips these
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize("args,needle", [
     (["--port", "8000"], "--role"),

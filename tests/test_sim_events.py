@@ -6,8 +6,12 @@ import msgpack
 import pytest
 import zmq
 
+from engines_adapters.net import free_port
 from scheduler.hashing import vllm_block_hashes
-from tests.sim_helpers import HASH_SEED, SimEngineProcess, free_port, wait_until
+from tests.sim_helpers import HASH_SEED, SimEngineProcess, wait_until
+
+# starts real servers or subprocesses: `make test-fast` skips these
+pytestmark = pytest.mark.slow
 
 BS = 16
 TOPIC = b"kv@sim@llama3-8b"
@@ -122,7 +126,8 @@ def test_eviction_offloads_to_host_tier_and_reload(setup):
     for i in range(3):  # 40 GPU blocks: three other 20-block prompts push the first one out
         engine.post("/v1/completions", {"prompt": f"Other document {i}. " * 18, "max_tokens": 1})
     wait_until(lambda: set(hashes) <= {h for _, _, p in sub.drain()[n0:] for e in msgpack.unpackb(p)[1]
-                                       if e["type"] == "BlockRemoved" and e["medium"] == "GPU" for h in e["block_hashes"]},
+                                       if e["type"] == "BlockRemoved" and e["medium"] == "GPU"
+                                       for h in e["block_hashes"]},
                what="the first document's blocks to leave the GPU")
     ev = [e for _, _, p in sub.messages[n0:] for e in msgpack.unpackb(p)[1]]
     assert set(hashes) <= {h for e in stored(ev, "CPU") for h in e["block_hashes"]}

@@ -5,8 +5,14 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from engines_adapters.kv_wire import (AllBlocksCleared, BlockRemoved, BlockStored, KVWireError, decode_batch,
-                                      encode_batch)
+from engines_adapters.kv_wire import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVWireError,
+    decode_batch,
+    encode_batch,
+)
 
 BIG = 12472515041799373675  # > 2**63: must survive as an unsigned 64-bit int
 

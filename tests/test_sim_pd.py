@@ -7,6 +7,9 @@ import pytest
 from engines_adapters.sim.profiles import load_profile
 from tests.sim_helpers import SimEngineProcess, wait_until
 
+# starts real servers or subprocesses: `make test-fast` skips these
+pytestmark = pytest.mark.slow
+
 PROFILE = load_profile("llama3-8b-h200")
 PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                   "remote_block_ids": None, "remote_host": None, "remote_port": None}

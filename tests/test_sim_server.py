@@ -11,6 +11,9 @@ import pytest
 
 from tests.sim_helpers import SimEngineProcess, wait_until
 
+# starts real servers or subprocesses: `make test-fast` skips these
+pytestmark = pytest.mark.slow
+
 MODEL = "llama3-8b"
 
 

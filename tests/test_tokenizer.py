@@ -13,7 +13,8 @@ def test_ascii_chars_are_tokens():
 def test_chat_template_is_documented_shape():
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}])
     assert text == "<|user|>\nhi\n<|assistant|>\n"
-    parts = tok.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]}])
+    content = [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]
+    parts = tok.apply_chat_template([{"role": "user", "content": content}])
     assert parts == text
 
 

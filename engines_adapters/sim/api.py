@@ -2,7 +2,8 @@
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streamed as SSE or not),
 ``GET /v1/models``, ``GET /health``, ``POST /tokenize``, ``POST /detokenize``, ``GET /metrics``,
-``GET /version``, ``POST /reset_prefix_cache``, the PD endpoints ``POST /kv/pull`` and ``POST /kv/release`` (see pd.py), and
+``GET /version``, ``POST /reset_prefix_cache``, the PD endpoints ``POST /kv/pull`` and
+``POST /kv/release`` (see pd.py), and
 ``GET /sim/stats`` (the engine's load facts as JSON; not part of vLLM).
 
 Errors are OpenAI-style ``{"error": {"message", "type", "param", "code"}}`` with the HTTP status.
@@ -14,7 +15,6 @@ with the first token).
 from __future__ import annotations
 
 import asyncio
-
 import time
 import uuid
 from dataclasses import dataclass
@@ -401,7 +401,8 @@ class OpenAIApi:
             head = (f'data: {{"id":{jid},"object":"chat.completion.chunk","created":{created},'
                     f'"model":{jm},"choices":[{{"index":0,').encode()
             content_open, content_close = b'"delta":{"content":', b'},"logprobs":null,"finish_reason":null}]}\n\n'
-            first_chunk = head + b'"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n'
+            first_chunk = (head + b'"delta":{"role":"assistant","content":""},'
+                           b'"logprobs":null,"finish_reason":null}]}\n\n')
         else:
             jid = _json.encode(f"cmpl-{rid}").decode()
             head = (f'data: {{"id":{jid},"object":"text_completion","created":{created},'
@@ -416,8 +417,8 @@ class OpenAIApi:
                 toks, st.tokens = st.tokens, []
                 out = head + content_open + _json.encode(self.tok.decode(toks)) + content_close
             if resp is None:
-                resp = web.StreamResponse(headers={**self._timing_headers(st, echo), "Content-Type": "text/event-stream",
-                                                   "Cache-Control": "no-cache"})
+                resp = web.StreamResponse(headers={**self._timing_headers(st, echo),
+                                                   "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
                 await resp.prepare(request)
                 out = first_chunk + out
             if st.finished is not None:

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 
 from .metrics import EngineMetrics
-from .model import EngineModel, FirstToken, Finished, SimRequest, StepResult
+from .model import EngineModel, Finished, FirstToken, SimRequest, StepResult
 from .publisher import KVEventPublisher
 
 log = logging.getLogger(__name__)

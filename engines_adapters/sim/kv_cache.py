@@ -145,11 +145,6 @@ class KVCache:
         self.free_plain += 1
         return b, False
 
-    def host_block(self, h: int) -> Block:
-        b = self.host[h]
-        self.host.move_to_end(h)
-        return b
-
     def release(self, blocks: list[Block], private: int) -> None:
         """Drop a sequence's references; tail blocks become the first eviction candidates."""
         lru = self.lru

@@ -237,11 +237,6 @@ class EngineModel:
             queued_prefill_tokens=queued, prefix_queries=self.prefix_queries, prefix_hits=self.prefix_hits,
             host_hits=self.host_hits, preemptions=self.num_preemptions, host_blocks=len(kv.host))
 
-    def output_tokens(self, request_id: str, start: int, end: int) -> list[int]:
-        """Token ids ``start..end`` of a live request's output (what ``emitted`` reported)."""
-        s = self._seqs[request_id]
-        return self.sampler.tokens(s.out_off, start, end)
-
     # --- the step ---------------------------------------------------------------------------
     def step(self, now: float) -> StepResult:
         """Schedule and 'run' one batch starting at ``now``; see the module docstring."""

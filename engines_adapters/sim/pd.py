@@ -113,7 +113,8 @@ class KVPuller:
     async def pull(self, p: KVParams) -> dict[str, Any]:
         """The held KV's metadata; raises PullError when it is gone or unreachable."""
         try:
-            async with self._sess().post(self._url(p, "/kv/pull"), json={"remote_request_id": p.remote_request_id}) as r:
+            body = {"remote_request_id": p.remote_request_id}
+            async with self._sess().post(self._url(p, "/kv/pull"), json=body) as r:
                 body = await r.json(content_type=None)
                 if r.status == 200:
                     return body

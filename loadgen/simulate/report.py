@@ -56,7 +56,8 @@ def plot_capacity(outcome: SimOutcome, path: str) -> None:
         ax.plot(xs, ys, "o-", color=f"C{i}", lw=2, label=policy)
     ttft = "none" if cfg.slo.ttft_s is None else f"{cfg.slo.ttft_s:g} s"
     if single:
-        ax.set_ylabel(f"effective requests (% meeting TTFT ≤ {ttft} and TBT) at {load_label(cfg.load_kind, cfg.loads[0])}")
+        at = load_label(cfg.load_kind, cfg.loads[0])
+        ax.set_ylabel(f"effective requests (% meeting TTFT ≤ {ttft} and TBT) at {at}")
     else:
         ax.set_ylabel(f"effective capacity ({'speed-up' if cfg.load_kind == 'speedup' else 'req/s'}, "
                       f"attainment ≥ {cfg.attainment_target:.0%})")
@@ -74,13 +75,15 @@ def plot_capacity(outcome: SimOutcome, path: str) -> None:
 def comparison_table(summary: dict[str, Any]) -> str:
     """Every policy side by side at every load (markdown)."""
     targets = summary.get("targets") or [summary]
-    head = "| policy | load | sent | ok | rejected | attainment | goodput/s | TTFT mean | TTFT p50 | TTFT p90 | TBT p90 | prefix hit |"
+    head = ("| policy | load | sent | ok | rejected | attainment | goodput/s | TTFT mean | TTFT p50 | TTFT p90 "
+            "| TBT p90 | prefix hit |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for t in targets:
         for s in t["steps"]:
             hit = s["cached_tokens"]["hit_ratio"]
             lines.append(f"| {t['target']} | {load_label(summary['load_kind'], s['load'])} | {s['requests']} | "
-                         f"{s['completed']} | {s['rejected']} | {_pct(s['slo_attainment'])} | {_num(s['goodput_rps'])} | "
+                         f"{s['completed']} | {s['rejected']} | {_pct(s['slo_attainment'])} | "
+                         f"{_num(s['goodput_rps'])} | "
                          f"{_ms(s['ttft_s']['mean'])} | {_ms(s['ttft_s']['p50'])} | {_ms(s['ttft_s']['p90'])} | "
                          f"{_ms(s['tbt_s']['p90'])} | {_pct(hit)} |")
     return "\n".join(lines) + "\n\n(times in ms; attainment = requests meeting the SLO / requests sent)\n"
@@ -96,7 +99,8 @@ def plot_compare(summary: dict[str, Any], path: str) -> None:
         a1.bar(xs, [s["goodput_rps"] or 0 for s in t["steps"]], width, label=t["target"], color=f"C{i}")
         a2.bar(xs, [(s["ttft_s"]["mean"] or 0) for s in t["steps"]], width, label=t["target"], color=f"C{i}")
     for ax, name in ((a1, "goodput (requests/s meeting the SLO)"), (a2, "mean TTFT (s)")):
-        ax.set_xticks([k + 0.4 - width / 2 for k in range(len(loads))], [load_label(summary["load_kind"], x) for x in loads])
+        ax.set_xticks([k + 0.4 - width / 2 for k in range(len(loads))],
+                      [load_label(summary["load_kind"], x) for x in loads])
         ax.set_ylabel(name)
         ax.grid(alpha=0.3, axis="y")
     a1.legend(fontsize=8)

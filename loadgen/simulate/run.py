@@ -74,7 +74,8 @@ class _Progress:
         self._last = now
         wall = now - self.t0
         tty = getattr(self.stream, "isatty", lambda: False)()
-        self.stream.write(("\r" if tty else "") + f"{self.label}: {self.done}/{self.total} requests, trace time {loop.now:,.0f} s, "
+        self.stream.write(("\r" if tty else "") + f"{self.label}: {self.done}/{self.total} requests, "
+                          f"trace time {loop.now:,.0f} s, "
                           f"wall {wall:.1f} s, {loop.events / max(wall, 1e-9):,.0f} events/s ")
         if force or not tty:
             self.stream.write("\n")

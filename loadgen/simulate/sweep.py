@@ -108,7 +108,7 @@ def run_sweep(cfg: SimConfig) -> SimOutcome:
     else:
         results = [_simulate(cfg, p, load, cfg.progress) for _, p, load in jobs]
     steps = []
-    for (_, policy, load), (records, stats) in zip(jobs, results):
+    for (_, policy, load), (records, stats) in zip(jobs, results, strict=True):
         w = workload_at(cfg, load)
         s = SimStep(policy, load, w, records, stats)
         s.summary = summarize(records, cfg.slo)
