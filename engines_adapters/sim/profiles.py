@@ -16,7 +16,7 @@ from typing import Any
 from predictors.facts import GB, Deployment, load_deployment
 
 #: ``with_overrides(hardware=...)`` keys that belong to the GPU rather than the deployment.
-_GPU_KEYS = frozenset({"peak_tflops", "hbm_gbps", "hbm_gb", "nvlink_gbps"})
+_GPU_KEYS = frozenset({"name", "peak_tflops", "hbm_gbps", "hbm_gb", "nvlink_gbps"})
 _DEPLOYMENT_KEYS = frozenset({"gpus", "net_gbps", "host_mem_gb", "host_gbps"})
 
 
@@ -88,6 +88,8 @@ class Profile:
                        efficiency: dict[str, Any] | None = None) -> "Profile":
         """A copy with some hardware/efficiency entries replaced (calibration what-ifs)."""
         hw = dict(hardware or {})
+        if "gpu" in hw:  # the GPU's name
+            hw["name"] = hw.pop("gpu")
         unknown = set(hw) - _GPU_KEYS - _DEPLOYMENT_KEYS
         if unknown:
             raise KeyError(f"unknown hardware key(s) {', '.join(sorted(unknown))}")
