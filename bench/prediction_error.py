@@ -211,10 +211,12 @@ def end_to_end(label: str, prior: Prior, trace: Path, limit: int, speedup: float
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             _wait_ready(url, serve)
-            subprocess.run([sys.executable, "-m", "gateway.cli", "loadgen", "--target", url, "--trace", str(trace),
-                            "--limit", str(limit), "--speedup", f"{speedup:g}", "--slo-ttft-ms", "30000",
-                            "--slo-tbt-ms", "200", "--out", str(Path(tmp) / "out"), "--quiet"],
-                           cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            run = subprocess.run([sys.executable, "-m", "gateway.cli", "loadgen", "--target", url, "--trace",
+                                  str(trace), "--limit", str(limit), "--speedup", f"{speedup:g}", "--slo-ttft-ms",
+                                  "30000", "--slo-tbt-ms", "200", "--out", str(Path(tmp) / "out"), "--quiet"],
+                                 cwd=ROOT, env=env, capture_output=True, text=True)
+            if run.returncode != 0:
+                raise RuntimeError(f"loadgen failed ({run.returncode}): {run.stderr.strip()[-2000:]}")
         finally:
             serve.send_signal(signal.SIGTERM)
             try:
