@@ -110,16 +110,6 @@ def profile_names() -> list[str]:
     return sorted(_all())
 
 
-def time_scaled(p: Profile, scale: float) -> Profile:
-    """The profile of hardware ``scale`` times slower: how an engine run with ``--time-scale
-    scale`` looks in wall-clock time (rates divided, fixed latencies multiplied)."""
-    if scale == 1:
-        return p
-    eff = {k: (v * scale if k.endswith(("_ms", "_us")) else v) for k, v in p.efficiency.items()}
-    return replace(p, name=f"{p.name}@time-scale-{scale:g}", deployment=p.deployment.time_scaled(scale),
-                   efficiency=eff)
-
-
 def load_profile(name: str) -> Profile:
     raw = _all().get(name)
     if raw is None:
