@@ -43,8 +43,9 @@ class Prior:
     * ``attn_mfu`` 0.5: FlashAttention-2 reports roughly 50-73% of A100 peak for the attention
       forward pass; the low end, since serving kernels see ragged batches.
     * ``decode_mbu`` 0.7: decode is memory bound; Databricks' "LLM Inference Performance
-      Engineering: Best Practices" measures model bandwidth utilisation (MBU) typically in the
-      ~50-80% range for well-tuned servers; a typical middle value.
+      Engineering: Best Practices" defines model bandwidth utilisation (MBU) and finds
+      well-tuned servers at small batch reading weights at well over half of peak bandwidth;
+      0.7 is a typical value, not a figure quoted from it.
     * ``step_overhead_ms`` 2: per engine step CPU work (scheduling, sampling, kernel launch) is
       typically a few milliseconds in vLLM-class servers.
     * ``transfer_latency_ms`` 2: fixed cost of one KV transfer (RDMA setup, descriptor
