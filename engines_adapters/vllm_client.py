@@ -79,20 +79,38 @@ class LoadSample:
     running: int
     waiting: int
     kv_usage: float
+    kv_capacity_tokens: int | None = None  # num_gpu_blocks x block_size, when the engine says
 
 
 def parse_vllm_metrics(text: str) -> LoadSample:
     """vLLM's request gauges summed over label sets (models, DP engines), KV usage the highest;
-    older names (gpu_cache_usage_perc) accepted."""
+    older names (gpu_cache_usage_perc) accepted; the KV capacity in tokens from
+    ``vllm:cache_config_info`` (num_gpu_blocks x block_size), summed over DP engines."""
     vals: dict[str, float] = {}
+    capacity: int | None = None
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            if s.name.endswith("_perc"):  # a ratio per engine/model series: the fullest one counts
+            if s.name == "vllm:cache_config_info":  # labels carry the config; one set per DP engine
+                tokens = _cache_tokens(s.labels)
+                if tokens is not None:
+                    capacity = (capacity or 0) + tokens
+            elif s.name.endswith("_perc"):  # a ratio per engine/model series: the fullest one counts
                 vals[s.name] = max(vals.get(s.name, 0.0), s.value)
             else:
                 vals[s.name] = vals.get(s.name, 0.0) + s.value
     kv = vals.get("vllm:kv_cache_usage_perc", vals.get("vllm:gpu_cache_usage_perc", 0.0))
-    return LoadSample(int(vals.get("vllm:num_requests_running", 0)), int(vals.get("vllm:num_requests_waiting", 0)), kv)
+    return LoadSample(int(vals.get("vllm:num_requests_running", 0)), int(vals.get("vllm:num_requests_waiting", 0)), kv,
+                      capacity)
+
+
+def _cache_tokens(labels: dict[str, str]) -> int | None:
+    """KV capacity in tokens from vllm:cache_config_info's labels; None when not (yet) known
+    (vLLM publishes num_gpu_blocks "None" before its profiling run)."""
+    try:
+        tokens = int(labels["num_gpu_blocks"]) * int(labels["block_size"])
+    except (KeyError, ValueError):
+        return None
+    return tokens if tokens > 0 else None
 
 
 class EngineClient:

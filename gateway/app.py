@@ -36,7 +36,7 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
         try:
             if cfg.embedded is not None:
                 em = cfg.embedded
-                log.info("starting embedded cluster: %d prefill + %d decode + %d both (%s, time scale %g)",
+                log.info("starting embedded cluster: %d prefill + %d decode + %d both (profile %s, time scale %g)",
                          em.prefill, em.decode, em.both, em.profile, em.time_scale)
                 embedded = EmbeddedCluster(em)
                 engines += embedded.start()

@@ -12,19 +12,23 @@ import zmq.asyncio
 from engines_adapters.kv_events import KVEventSubscriber
 from engines_adapters.vllm_client import EngineClient
 from gateway.config import EngineConfig, GatewayConfig
+from predictors.analytic import analytic_predictors
 from scheduler import Instance, Scheduler
 
 log = logging.getLogger(__name__)
 
 
 def build_scheduler(cfg: GatewayConfig, engines: list[EngineConfig]) -> Scheduler:
-    """The scheduler for these engines; a bad policy, parameter or profile raises ValueError."""
+    """The scheduler for these engines, predicting from their public deployments and the
+    configured prior; a bad policy, parameter or deployment raises ValueError."""
     params = dict(cfg.policy_params)
     if cfg.policy == "conductor":
         params.setdefault("peer_pull", cfg.peer_kv_pull)
-    return Scheduler([Instance(e.id, e.role, profile=e.profile, healthy=False) for e in engines],
-                     policy=cfg.policy, slo=cfg.slo, block_size=cfg.block_size, clock=time.monotonic,
-                     early_rejection=cfg.early_rejection, keep_decisions=cfg.keep_decisions, **params)
+    instances = [Instance(e.id, e.role, deployment=e.deployment, healthy=False, kv_capacity_tokens=e.kv_capacity_tokens,
+                          max_model_len=e.max_model_len) for e in engines]
+    return Scheduler(instances, policy=cfg.policy, slo=cfg.slo, block_size=cfg.block_size, clock=time.monotonic,
+                     predictors=analytic_predictors(prior=cfg.prior), early_rejection=cfg.early_rejection,
+                     keep_decisions=cfg.keep_decisions, **params)
 
 
 class Cluster:
@@ -118,6 +122,8 @@ class Cluster:
             load = await client.load()
             if load is not None:
                 self.scheduler.observe_load(eid, running=load.running, waiting=load.waiting, kv_usage=load.kv_usage)
+                if load.kv_capacity_tokens and self.engines[eid].kv_capacity_tokens is None:
+                    self.scheduler.set_capacity(eid, kv_capacity_tokens=load.kv_capacity_tokens)  # the engine's own
             return await client.models()
         self.failures[eid] += 1
         if self.healthy[eid] and self.failures[eid] >= self.cfg.eject_after_failures:

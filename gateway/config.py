@@ -6,6 +6,8 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Any
 
+from predictors.analytic import Prior
+from predictors.facts import load_deployment
 from predictors.telemetry import SLO
 from predictors.types import ROLES
 KINDS = ("vllm", "sim")
@@ -24,7 +26,10 @@ class EngineConfig:
     kind: str = "vllm"
     kv_events: str | None = None  # endpoint the gateway's SUB binds/connects (vLLM's rule, mirrored)
     kv_events_replay: str | None = None  # the engine's replay (ROUTER) endpoint
-    profile: str = "llama3-8b-h200"
+    deployment: str = "llama3-8b-h200"  # public facts the predictors read (predictors/facts.json)
+    kv_capacity_tokens: int | None = None  # None: estimated, then learned from the engine's /metrics
+    max_model_len: int | None = None  # None: the model card's
+    profile: str | None = None  # deprecated alias of deployment
 
 
 @dataclass
@@ -32,7 +37,7 @@ class EmbeddedConfig:
     prefill: int = 2
     decode: int = 2
     both: int = 0
-    profile: str = "llama3-8b-h200"
+    profile: str = "llama3-8b-h200"  # the sim engines' --profile (its public deployment is scheduled on)
     time_scale: float = 1.0
     seed: int = 0
     extra_args: list[str] = field(default_factory=list)
@@ -64,6 +69,7 @@ class GatewayConfig:
     peer_kv_pull: bool = False
     keep_decisions: int = 1000
     policy_params: dict[str, Any] = field(default_factory=dict)
+    prior: Prior = field(default_factory=Prior)  # the analytic predictors' rules of thumb ([prior])
 
 
 def _take(section: dict[str, Any], cls, where: str):
@@ -82,6 +88,7 @@ def parse_config(raw: dict[str, Any]) -> GatewayConfig:
     engines = [_take(dict(e), EngineConfig, f"engines[{i}]") for i, e in enumerate(raw.pop("engines", []))]
     embedded_raw = raw.pop("embedded", None)
     slo_raw = raw.pop("slo", None)
+    prior_raw = raw.pop("prior", None)
     cfg = _take(raw, GatewayConfig, "config")
     cfg.engines = engines
     if slo_raw is not None:
@@ -89,12 +96,26 @@ def parse_config(raw: dict[str, Any]) -> GatewayConfig:
         if unknown:
             raise ConfigError(f"slo: unknown key(s) {', '.join(sorted(unknown))}")
         cfg.slo = SLO(ttft_s=_ms(slo_raw.get("ttft_ms")), tbt_s=_ms(slo_raw.get("tbt_ms")))
+    if prior_raw is not None:
+        cfg.prior = _prior(prior_raw)
     if engines:
         cfg.embedded = None if embedded_raw is None else _take(embedded_raw, EmbeddedConfig, "embedded")
     elif embedded_raw is not None:
         cfg.embedded = _take(embedded_raw, EmbeddedConfig, "embedded")
     validate(cfg)
     return cfg
+
+
+def _prior(raw: Any) -> Prior:
+    if not isinstance(raw, dict):
+        raise ConfigError("prior: expected a table of rules of thumb")
+    unknown = set(raw) - set(Prior.field_names())
+    if unknown:
+        raise ConfigError(f"prior: unknown key(s) {', '.join(sorted(unknown))}; known: {', '.join(Prior.field_names())}")
+    try:
+        return Prior(**raw)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"prior: {e}") from None
 
 
 def _ms(v: Any) -> float | None:
@@ -117,6 +138,18 @@ def validate(cfg: GatewayConfig) -> None:
             raise ConfigError(f"engine {e.id}: kind must be one of {KINDS}, got {e.kind!r}")
         if not e.url.startswith(("http://", "https://")):
             raise ConfigError(f"engine {e.id}: url must be http(s)://..., got {e.url!r}")
+        if e.profile is not None:  # the deprecated name of the same key
+            if e.deployment not in (e.profile, EngineConfig.deployment):
+                raise ConfigError(f"engine {e.id}: give deployment or its deprecated alias profile, not both")
+            e.deployment, e.profile = e.profile, None
+        try:
+            load_deployment(e.deployment)
+        except KeyError as err:
+            raise ConfigError(f"engine {e.id}: {err.args[0]}") from None
+        for name in ("kv_capacity_tokens", "max_model_len"):
+            v = getattr(e, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+                raise ConfigError(f"engine {e.id}: {name} must be a positive integer, got {v!r}")
     if not cfg.engines and cfg.embedded is None:
         raise ConfigError("no engines configured and the embedded cluster is disabled")
     if cfg.embedded is not None:
@@ -127,6 +160,10 @@ def validate(cfg: GatewayConfig) -> None:
             raise ConfigError("embedded: prefill and decode engines come in pairs (or use 'both')")
         if em.time_scale <= 0:
             raise ConfigError("embedded: time_scale must be > 0")
+        from engines_adapters.sim.profiles import profile_names  # the sim engines' own profiles
+
+        if em.profile not in profile_names():
+            raise ConfigError(f"embedded: unknown profile {em.profile!r}; known: {', '.join(profile_names())}")
     if cfg.tokenizer not in TOKENIZERS:
         raise ConfigError(f"tokenizer must be one of {TOKENIZERS}, got {cfg.tokenizer!r}")
     if cfg.tokenizer == "hf" and not cfg.tokenizer_path:

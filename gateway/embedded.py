@@ -11,7 +11,7 @@ import time
 import aiohttp
 
 from engines_adapters.net import free_port
-from engines_adapters.sim.profiles import load_profile, register_profile, time_scaled
+from engines_adapters.sim.profiles import load_profile
 from gateway.config import EmbeddedConfig, EngineConfig
 
 
@@ -37,10 +37,9 @@ class EmbeddedCluster:
         env = {**os.environ, "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED", "0")}
         roles = ["prefill"] * self.cfg.prefill + ["decode"] * self.cfg.decode + ["both"] * self.cfg.both
         counters: dict[str, int] = {}
-        # the scheduler predicts in wall-clock seconds: at a time scale, from a scaled profile
-        scaled = time_scaled(load_profile(self.cfg.profile), self.cfg.time_scale)
-        register_profile(scaled)
-        predicted = scaled.name
+        # the gateway gets only the public deployment the engines emulate (never their calibration),
+        # time-scaled when they run at a time scale so predictions are in wall-clock seconds
+        deployment = load_profile(self.cfg.profile).deployment.time_scaled(self.cfg.time_scale).name
         for i, role in enumerate(roles):
             counters[role] = counters.get(role, 0) + 1
             eid = f"{role}-{counters[role]}"
@@ -52,7 +51,8 @@ class EmbeddedCluster:
             self.procs.append(subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent))
             self.engines.append(EngineConfig(id=eid, role=role, url=f"http://127.0.0.1:{port}", kind="sim",
                                              kv_events=f"tcp://127.0.0.1:{kv}",
-                                             kv_events_replay=f"tcp://127.0.0.1:{replay}", profile=predicted))
+                                             kv_events_replay=f"tcp://127.0.0.1:{replay}",
+                                             deployment=deployment))
         return self.engines
 
     async def wait_ready(self, timeout_s: float = 30.0) -> None:

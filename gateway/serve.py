@@ -20,7 +20,7 @@ def main(argv: list[str]) -> int:
         cfg = load_config(args.config)
     except ConfigError as e:
         raise CLIError(str(e)) from None
-    try:  # policy, its parameters and the engines' profiles: fail here, not at start-up
+    try:  # policy, its parameters and the engines' deployments: fail here, not at start-up
         from gateway.cluster import build_scheduler
 
         build_scheduler(cfg, cfg.engines)

@@ -1,15 +1,17 @@
-"""Analytic predictors: a roofline over a profile's public facts, no fitted data.
+"""Analytic predictors: a roofline over a deployment's public facts and a prior of public rules
+of thumb; nothing fitted to, or read from, any engine.
 
-Uses only what a datasheet and a model card say (parameters, layers, hidden size, KV bytes per
-token, peak FLOP/s, memory and network bandwidth, the profile's efficiency factors); never the
-simulated engine's own timing code. They are the baseline the learned predictors must beat.
+What a datasheet and a model card say (parameters, layers, hidden size, KV bytes per token, peak
+FLOP/s, memory and network bandwidth: :mod:`predictors.facts`) plus a :class:`Prior` of how
+efficiently LLM serving typically uses such hardware. They are the baseline the learned
+predictors must beat, and are graded against engines they share no constants with.
 
 * prefill = max(compute, memory) + step overhead per chunk, where compute counts the linear
-  layers (2 x params x new tokens, at the profile's MFU) and causal attention over the cached
-  prefix and the new tokens (4 x layers x hidden x new x (cached + new/2), at its attention MFU
-  when the profile gives one), and memory reads, per chunk, the weights
-  and at most the whole context's KV. At least one token is always computed (engines recompute
-  the last prompt token), so a full hit costs the same as ``prompt - 1`` cached tokens.
+  layers (2 x params x new tokens, at the prior's prefill MFU) and causal attention over the
+  cached prefix and the new tokens (4 x layers x hidden x new x (cached + new/2), at its
+  attention MFU), and memory reads, per chunk, the weights and at most the whole context's KV.
+  At least one token is always computed (engines recompute the last prompt token), so a full
+  hit costs the same as ``prompt - 1`` cached tokens.
 * decode step (TBT) = max(weights + KV read / bandwidth, FLOPs / peak) + overhead, for the
   batch with this request added and its KV at its largest (prompt + max_tokens); past the KV
   capacity the step is stretched by the overcommit ratio (preemption and recompute).
@@ -20,11 +22,10 @@ simulated engine's own timing code. They are the baseline the learned predictors
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
-from engines_adapters.sim.profiles import GB, Profile, load_profile
 from predictors.base import DecodeState, PrefillState, Predictors
+from predictors.facts import Deployment, load_deployment
 from predictors.types import Tier
 
 #: Chunked-prefill token budget per engine step (vLLM's default ``max_num_batched_tokens`` for
@@ -33,8 +34,56 @@ DEFAULT_CHUNK_TOKENS = 8192
 
 
 @dataclass(frozen=True, slots=True)
+class Prior:
+    """Generic public rules of thumb for how well LLM serving uses the hardware (not fitted to
+    any engine; overridable from the gateway config's ``[prior]`` section).
+
+    * ``prefill_mfu`` 0.5: large dense matmuls typically reach about half of peak FLOP/s (model
+      FLOPs utilisation): PaLM reports ~46% MFU on TPU v4, Megatron-LM ~52% of A100 peak for
+      GPT-scale models; prefill is a large-batch matmul workload of the same kind.
+    * ``attn_mfu`` 0.5: FlashAttention-2 reports roughly 50-73% of A100 peak for the attention
+      forward pass; the low end, since serving kernels see ragged batches.
+    * ``decode_mbu`` 0.7: decode is memory bound; Databricks' "LLM Inference Performance
+      Engineering: Best Practices" defines model bandwidth utilisation (MBU) and finds
+      well-tuned servers at small batch reading weights at well over half of peak bandwidth;
+      0.7 is a typical value, not a figure quoted from it.
+    * ``step_overhead_ms`` 2: per engine step CPU work (scheduling, sampling, kernel launch) is
+      typically a few milliseconds in vLLM-class servers.
+    * ``transfer_latency_ms`` 2: fixed cost of one KV transfer (RDMA setup, descriptor
+      exchange), typically around a millisecond or a few.
+    * ``chunk_tokens``: the chunked-prefill budget per step (vLLM's default for large models).
+
+    Fixed latencies are in hardware milliseconds; a time-scaled :class:`Deployment` multiplies
+    them by its ``time_scale``.
+    """
+
+    prefill_mfu: float = 0.5
+    attn_mfu: float = 0.5
+    decode_mbu: float = 0.7
+    step_overhead_ms: float = 2.0
+    transfer_latency_ms: float = 2.0
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_mfu", "attn_mfu", "decode_mbu"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not 0 < v <= 1:
+                raise ValueError(f"prior {name} must be in (0, 1], got {v!r}")
+        for name in ("step_overhead_ms", "transfer_latency_ms"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or v < 0:
+                raise ValueError(f"prior {name} must be >= 0, got {v!r}")
+        if not isinstance(self.chunk_tokens, int) or self.chunk_tokens <= 0:
+            raise ValueError(f"prior chunk_tokens must be a positive integer, got {self.chunk_tokens!r}")
+
+    @staticmethod
+    def field_names() -> list[str]:
+        return [f.name for f in fields(Prior)]
+
+
+@dataclass(frozen=True, slots=True)
 class Roofline:
-    """The handful of numbers the roofline needs, derived once from a profile (hashable)."""
+    """The handful of numbers the roofline needs, derived once from (deployment, prior); hashable."""
 
     params: float
     layers: int
@@ -52,24 +101,26 @@ class Roofline:
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
 
     @classmethod
-    def from_profile(cls, p: Profile, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> "Roofline":
-        m, hw, eff = p.model, p.hardware, p.efficiency
-        gpus = hw.get("gpus", 1)
+    def from_deployment(cls, d: Deployment, prior: Prior = Prior(),
+                        kv_capacity_tokens: int | None = None) -> "Roofline":
+        """``kv_capacity_tokens`` None: the deployment's public estimate."""
+        peak = d.gpu.peak_tflops * 1e12 * d.gpus
+        cap = d.estimated_kv_capacity_tokens() if kv_capacity_tokens is None else kv_capacity_tokens
         return cls(
-            params=float(m["params"]),
-            layers=int(m["layers"]),
-            hidden=int(m["hidden"]),
-            kv_bytes_per_token=p.kv_bytes_per_token,
-            weight_bytes=p.weight_bytes,
-            flops_per_s=hw["peak_tflops"] * 1e12 * eff["mfu"] * gpus,
-            attn_flops_per_s=hw["peak_tflops"] * 1e12 * eff.get("attn_mfu", eff["mfu"]) * gpus,
-            mem_bytes_per_s=hw["hbm_gbps"] * GB * eff["mbu"] * gpus,
-            net_bytes_per_s=p.net_bytes_per_s,
-            host_bytes_per_s=hw.get("host_gbps", hw["net_gbps"]) * GB,
-            step_overhead_s=eff["step_overhead_ms"] / 1e3,
-            transfer_latency_s=eff["transfer_latency_ms"] / 1e3,
-            kv_capacity_tokens=max(1, p.kv_capacity_tokens),
-            chunk_tokens=chunk_tokens,
+            params=float(d.model.params),
+            layers=d.model.layers,
+            hidden=d.model.hidden,
+            kv_bytes_per_token=d.kv_bytes_per_token,
+            weight_bytes=d.weight_bytes,
+            flops_per_s=peak * prior.prefill_mfu,
+            attn_flops_per_s=peak * prior.attn_mfu,
+            mem_bytes_per_s=d.gpu.hbm_gbps * 1e9 * prior.decode_mbu * d.gpus,
+            net_bytes_per_s=d.net_bytes_per_s,
+            host_bytes_per_s=d.host_bytes_per_s,
+            step_overhead_s=prior.step_overhead_ms / 1e3 * d.time_scale,
+            transfer_latency_s=prior.transfer_latency_ms / 1e3 * d.time_scale,
+            kv_capacity_tokens=max(1, cap),
+            chunk_tokens=prior.chunk_tokens,
         )
 
 
@@ -100,27 +151,33 @@ def roofline_decode_step_s(r: Roofline, batch: int, kv_tokens: int) -> float:
     return step
 
 
-class ProfileBook:
-    """Which roofline each instance runs on; the scheduler keeps it in step with registration.
+class DeploymentBook:
+    """Which (public deployment, prior) each instance runs on; the scheduler keeps it in step
+    through the predictors' ``register`` / ``unregister`` hooks.
 
     Equal rooflines share one small integer key, so memoised predictions are shared by every
-    instance of a profile and never confused across profiles.
+    instance of a deployment and never confused across deployments.
     """
 
-    def __init__(self, profiles: dict[str, str | Profile] | None = None, default: str = "llama3-8b-h200"):
-        self._default_name = default
+    def __init__(self, deployments: dict[str, str | Deployment] | None = None, *, prior: Prior = Prior(),
+                 default: str | Deployment = "llama3-8b-h200"):
+        self.prior = prior
+        self._default_deployment = default
         self._default: tuple[int, Roofline] | None = None
         self._keys: dict[Roofline, int] = {}
-        self._by_instance: dict[str, tuple[int, Roofline]] = {}
-        for instance, profile in (profiles or {}).items():
-            self.set(instance, profile)
+        self._by_instance: dict[str, tuple[Deployment, Prior, tuple[int, Roofline]]] = {}
+        for instance, deployment in (deployments or {}).items():
+            self.set(instance, deployment)
 
     def _intern(self, r: Roofline) -> tuple[int, Roofline]:
         return self._keys.setdefault(r, len(self._keys)), r
 
-    def set(self, instance: str, profile: str | Profile) -> None:
-        p = load_profile(profile) if isinstance(profile, str) else profile
-        self._by_instance[instance] = self._intern(Roofline.from_profile(p))
+    def set(self, instance: str, deployment: str | Deployment, kv_capacity_tokens: int | None = None,
+            prior: Prior | None = None) -> None:
+        """(Re)register an instance; KeyError for an unknown deployment name."""
+        d = load_deployment(deployment) if isinstance(deployment, str) else deployment
+        p = self.prior if prior is None else prior
+        self._by_instance[instance] = (d, p, self._intern(Roofline.from_deployment(d, p, kv_capacity_tokens)))
 
     def remove(self, instance: str) -> None:
         self._by_instance.pop(instance, None)
@@ -128,17 +185,20 @@ class ProfileBook:
     def __contains__(self, instance: str) -> bool:
         return instance in self._by_instance
 
-    def instances(self) -> Iterable[str]:
-        return self._by_instance.keys()
+    def deployment(self, instance: str) -> tuple[Deployment, Prior] | None:
+        entry = self._by_instance.get(instance)
+        return None if entry is None else entry[:2]
 
     def keyed(self, instance: str) -> tuple[int, Roofline]:
-        """(key, roofline) of an instance; the default profile for one it does not know."""
-        kr = self._by_instance.get(instance)
-        if kr is None:  # unknown instance: the default profile rather than an exception mid-decision
-            if self._default is None:
-                self._default = self._intern(Roofline.from_profile(load_profile(self._default_name)))
-            kr = self._default
-        return kr
+        """(key, roofline) of an instance; the default deployment for one it does not know."""
+        entry = self._by_instance.get(instance)
+        if entry is not None:
+            return entry[2]
+        if self._default is None:  # unknown instance: the default rather than an exception mid-decision
+            d = self._default_deployment
+            d = load_deployment(d) if isinstance(d, str) else d
+            self._default = self._intern(Roofline.from_deployment(d, self.prior))
+        return self._default
 
     def roofline(self, instance: str) -> Roofline:
         return self.keyed(instance)[1]
@@ -152,11 +212,11 @@ class AnalyticQueue:
 
 
 class AnalyticPrefill:
-    """Roofline prefill, memoised per (profile, prompt, cached): candidates share most answers."""
+    """Roofline prefill, memoised per (roofline, prompt, cached): candidates share most answers."""
 
     MEMO_LIMIT = 1 << 16
 
-    def __init__(self, book: ProfileBook):
+    def __init__(self, book: DeploymentBook):
         self.book = book
         self._memo: dict[tuple[int, int, int], float] = {}
 
@@ -172,7 +232,7 @@ class AnalyticPrefill:
 
 
 class AnalyticTransfer:
-    def __init__(self, book: ProfileBook):
+    def __init__(self, book: DeploymentBook):
         self.book = book
 
     def transfer_time(self, tokens: int, source: str, destination: str) -> float:
@@ -191,7 +251,7 @@ class AnalyticTransfer:
 
 
 class AnalyticTBT:
-    def __init__(self, book: ProfileBook):
+    def __init__(self, book: DeploymentBook):
         self.book = book
 
     def tbt(self, state: DecodeState, prompt_tokens: int, max_tokens: int) -> float:
@@ -200,7 +260,14 @@ class AnalyticTBT:
         return roofline_decode_step_s(r, state.running + 1, kv)
 
 
-def analytic_predictors(book: ProfileBook) -> Predictors:
-    """All four analytic predictors over one profile book."""
+def analytic_predictors(book: DeploymentBook | None = None, *, prior: Prior | None = None) -> Predictors:
+    """All four analytic predictors over one deployment book (a new, empty one by default),
+    with the hooks that keep the book in step with the scheduler's instances."""
+    if book is None:
+        book = DeploymentBook(prior=Prior() if prior is None else prior)
+    elif prior is not None:
+        raise ValueError("pass the prior to the DeploymentBook, not with an existing book")
+    keyed = book.keyed
     return Predictors(queue=AnalyticQueue(), prefill=AnalyticPrefill(book), transfer=AnalyticTransfer(book),
-                      tbt=AnalyticTBT(book), group=lambda instance: book.keyed(instance)[0])
+                      tbt=AnalyticTBT(book), group=lambda instance: keyed(instance)[0],
+                      register=book.set, unregister=book.remove)

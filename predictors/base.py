@@ -5,13 +5,14 @@ per term: how long a prefill instance's queue takes to drain (queue), how long t
 prefill takes given its cached prefix (prefill), how long moving KV takes (transfer), and what
 time-between-tokens a decode instance delivers once this request joins (TBT). All times are
 seconds. Every method receives the instance id so per-instance models (another GPU, another
-profile) fit behind the same call.
+deployment) fit behind the same call.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable, Hashable, NamedTuple, Protocol, runtime_checkable
 
+from predictors.facts import Deployment
 from predictors.telemetry import RequestRecord
 
 
@@ -66,8 +67,13 @@ class Predictors:
     """The bundle a scheduler decides with; each term can be swapped on its own.
 
     ``group`` (optional) names instances the prefill and transfer predictors answer alike for
-    (same inputs, same answer: e.g. one hardware profile), so a decision computes those terms
+    (same inputs, same answer: e.g. one public deployment), so a decision computes those terms
     once per group; None treats every instance as its own group.
+
+    ``register`` / ``unregister`` (optional) tell the bundle which instances exist: the scheduler
+    calls ``register(instance, deployment, kv_capacity_tokens)`` when an instance joins (and again
+    when its capacity is learned from the engine) and ``unregister(instance)`` when it leaves, so
+    per-instance models know the public facts of what they predict for.
     """
 
     queue: QueuePredictor
@@ -75,6 +81,8 @@ class Predictors:
     transfer: TransferPredictor
     tbt: TBTPredictor
     group: Callable[[str], Hashable] | None = None
+    register: Callable[[str, Deployment, int], None] | None = None
+    unregister: Callable[[str], None] | None = None
 
     def observe(self, record: RequestRecord) -> None:
         """A request finished: hand its record to each term predictor that learns from outcomes

@@ -114,6 +114,13 @@ class HitIndex:
         self._cap[instance_id] = max_blocks if max_blocks is not None else self.default_max_blocks
         return True
 
+    def set_max_blocks(self, instance_id: str, max_blocks: int) -> bool:
+        """Change an instance's block limit (its capacity became known); False if unknown."""
+        if instance_id not in self._slot:
+            return False
+        self._cap[instance_id] = max_blocks
+        return True
+
     def unregister(self, instance_id: str) -> bool:
         """Forget an instance and free its slot (its blocks leave the index)."""
         if instance_id not in self._slot:

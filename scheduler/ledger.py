@@ -75,6 +75,13 @@ class Ledger:
                                              typical_prefill_s=typical_prefill_s,
                                              idle_prefill=PrefillState(instance_id))
 
+    def set_kv_capacity(self, instance_id: str, kv_capacity_tokens: int) -> None:
+        """The instance's device KV capacity in tokens (learned from the engine at run time)."""
+        load = self._loads.get(instance_id)
+        if load is not None:
+            load.kv_capacity_tokens = kv_capacity_tokens
+            load.decode_now = None
+
     def remove_instance(self, instance_id: str) -> None:
         """Stop tracking an instance; reservations on it stay releasable (exactly once)."""
         self._loads.pop(instance_id, None)

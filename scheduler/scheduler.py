@@ -19,9 +19,9 @@ from typing import Any, Callable, Iterable
 
 import xxhash
 
-from engines_adapters.sim.profiles import load_profile
-from predictors.analytic import ProfileBook, analytic_predictors
+from predictors.analytic import analytic_predictors
 from predictors.base import Predictors
+from predictors.facts import Deployment, load_deployment
 from predictors.telemetry import SLO
 from predictors.types import Role
 from scheduler import admission
@@ -70,13 +70,15 @@ class Scheduler:
         self.early_rejection = early_rejection
         self.index: PrefixIndex = index if index is not None else HitIndex(block_size)
         self.ledger: LoadLedger = ledger if ledger is not None else Ledger()
-        self.book = ProfileBook()
-        self.predictors = predictors if predictors is not None else analytic_predictors(self.book)
+        # analytic predictors over the instances' public deployments unless some are injected
+        self.predictors = predictors if predictors is not None else analytic_predictors()
         self.decisions: deque[dict[str, Any]] = deque(maxlen=max(0, keep_decisions))
         self.counts: dict[str, int] = {"placed": 0}
         self._instances: dict[str, Instance] = {}
         self._healthy: dict[str, bool] = {}
         self._max_len: dict[str, int] = {}
+        self._deployment: dict[str, Deployment] = {}
+        self._kv_capacity: dict[str, int] = {}
         self._group: dict[str, Any] = {}
         self._pool_cache: _Pools | None = None
         for inst in instances:
@@ -89,37 +91,73 @@ class Scheduler:
         return list(POLICIES)
 
     def add_instance(self, inst: Instance) -> bool:
-        """Register an instance; False if its id is taken. ValueError for an unknown profile."""
+        """Register an instance; False if its id is taken. ValueError for an unknown deployment.
+
+        Capacity the instance does not state is estimated from its public deployment until the
+        engine reports its own (:meth:`set_capacity`)."""
         if not isinstance(inst, Instance):
             raise TypeError(f"expected an Instance, got {type(inst).__name__}")
         if inst.id in self._instances:
             return False
         try:
-            profile = load_profile(inst.profile)
+            deployment = load_deployment(inst.deployment)
         except KeyError as e:
-            raise ValueError(str(e)) from None
-        self.book.set(inst.id, profile)
-        cap = 2 * (profile.kv_capacity_tokens + profile.host_capacity_tokens) // self.block_size
-        self.index.register(inst.id, max_blocks=cap + STORE_ALLOWANCE_BLOCKS)
+            raise ValueError(e.args[0]) from None
+        kv = inst.kv_capacity_tokens or deployment.estimated_kv_capacity_tokens()
+        self._deployment[inst.id], self._kv_capacity[inst.id] = deployment, kv
+        if self.predictors.register is not None:
+            self.predictors.register(inst.id, deployment, kv)
+        self.index.register(inst.id, max_blocks=self._index_blocks(kv, inst.host_capacity_tokens))
         typical = self.predictors.prefill.prefill_time(inst.id, 1024, 0) if inst.prefills else 0.0
-        self.ledger.add_instance(inst.id, kv_capacity_tokens=profile.kv_capacity_tokens, typical_prefill_s=typical)
+        self.ledger.add_instance(inst.id, kv_capacity_tokens=kv, typical_prefill_s=typical)
         self._instances[inst.id] = inst
         self._healthy[inst.id] = bool(inst.healthy)
-        self._max_len[inst.id] = profile.max_model_len
+        self._max_len[inst.id] = inst.max_model_len or deployment.max_model_len
         self._group[inst.id] = self.predictors.group(inst.id) if self.predictors.group is not None else inst.id
         self._pool_cache = None
         return True
+
+    def _index_blocks(self, kv_capacity_tokens: int, host_capacity_tokens: int) -> int:
+        """Blocks the hit index accepts from one instance: twice its tiers, plus store entries."""
+        return 2 * (kv_capacity_tokens + host_capacity_tokens) // self.block_size + STORE_ALLOWANCE_BLOCKS
+
+    def set_capacity(self, instance_id: str, *, kv_capacity_tokens: int | None = None,
+                     max_model_len: int | None = None) -> bool:
+        """Capacity learned from the engine at run time (e.g. vLLM's ``vllm:cache_config_info``:
+        num_gpu_blocks x block_size) replaces the configured value or the estimate. False for an
+        unknown instance or nothing valid to set; True when something changed."""
+        if not self._known(instance_id):
+            return False
+        changed = False
+        if isinstance(kv_capacity_tokens, int) and kv_capacity_tokens > 0 \
+                and kv_capacity_tokens != self._kv_capacity[instance_id]:
+            self._kv_capacity[instance_id] = kv_capacity_tokens
+            inst = self._instances[instance_id]
+            self.ledger.set_kv_capacity(instance_id, kv_capacity_tokens)
+            self.index.set_max_blocks(instance_id, self._index_blocks(kv_capacity_tokens, inst.host_capacity_tokens))
+            if self.predictors.register is not None:
+                self.predictors.register(instance_id, self._deployment[instance_id], kv_capacity_tokens)
+                if self.predictors.group is not None:
+                    self._group[instance_id] = self.predictors.group(instance_id)
+            changed = True
+        if isinstance(max_model_len, int) and max_model_len > 0 and max_model_len != self._max_len[instance_id]:
+            self._max_len[instance_id] = max_model_len
+            changed = True
+        if changed:
+            self._pool_cache = None
+        return changed
 
     def remove_instance(self, instance_id: str) -> bool:
         """Forget an instance (its index entries too); its reservations stay releasable once."""
         if not self._known(instance_id):
             return False
         del self._instances[instance_id], self._healthy[instance_id], self._max_len[instance_id]
-        del self._group[instance_id]
+        del self._group[instance_id], self._deployment[instance_id], self._kv_capacity[instance_id]
         self._pool_cache = None
         self.index.unregister(instance_id)
         self.ledger.remove_instance(instance_id)
-        self.book.remove(instance_id)
+        if self.predictors.unregister is not None:
+            self.predictors.unregister(instance_id)
         return True
 
     def set_healthy(self, instance_id: str, healthy: bool) -> bool:
@@ -186,7 +224,9 @@ class Scheduler:
         rows = []
         for iid, inst in self._instances.items():
             t = self.ledger.instance_totals(iid)
-            rows.append({"id": iid, "role": inst.role, "profile": inst.profile, "healthy": self._healthy[iid],
+            rows.append({"id": iid, "role": inst.role, "deployment": self._deployment[iid].name,
+                         "kv_capacity_tokens": self._kv_capacity[iid], "max_model_len": self._max_len[iid],
+                         "healthy": self._healthy[iid],
                          "reserved_prefill_tokens": t["reserved_prefill_tokens"],
                          "reserved_prefill_s": t["reserved_prefill_s"], "active_requests": t["active_requests"],
                          "running": t["running"], "kv_tokens": t["kv_tokens"],

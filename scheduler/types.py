@@ -13,12 +13,22 @@ OVER_SLO, UNAVAILABLE, BAD_REQUEST, INTERNAL = 429, 503, 400, 500
 
 @dataclass(frozen=True, slots=True)
 class Instance:
-    """One engine the scheduler may place work on. ``both`` prefills and decodes (aggregated)."""
+    """One engine the scheduler may place work on. ``both`` prefills and decodes (aggregated).
+
+    ``deployment`` names its public facts (:mod:`predictors.facts`: model, GPUs, NIC), what the
+    analytic predictors read. ``kv_capacity_tokens`` / ``max_model_len`` None mean "estimate from
+    the deployment" (the model card's context length; vLLM's default 0.9 of HBM minus weights
+    minus an activation reserve) until the engine reports its own (``Scheduler.set_capacity``).
+    ``host_capacity_tokens``: KV tokens its host-memory tier holds (0: none).
+    """
 
     id: str
     role: Role
-    profile: str = "llama3-8b-h200"
+    deployment: str = "llama3-8b-h200"
     healthy: bool = True
+    kv_capacity_tokens: int | None = None
+    host_capacity_tokens: int = 0
+    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not self.id or self.id in (Tier.STORE, Tier.HOST):
@@ -27,6 +37,13 @@ class Instance:
             object.__setattr__(self, "role", parse_role(self.role))
         except ValueError as e:
             raise ValueError(f"instance {self.id!r}: {e}") from None
+        for name in ("kv_capacity_tokens", "max_model_len"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+                raise ValueError(f"instance {self.id!r}: {name} must be a positive integer or None, got {v!r}")
+        h = self.host_capacity_tokens
+        if not isinstance(h, int) or isinstance(h, bool) or h < 0:
+            raise ValueError(f"instance {self.id!r}: host_capacity_tokens must be >= 0, got {h!r}")
 
     @property
     def prefills(self) -> bool:

@@ -27,7 +27,12 @@ def test_help_lists_every_command():
 @pytest.mark.parametrize("config, words", [
     ('policy = "nope"\n', "unknown policy"),
     ('policy = "round_robin"\n[policy_params]\nfoo = 1\n', "no parameter"),
-    ('[[engines]]\nid = "a"\nrole = "both"\nurl = "http://127.0.0.1:1"\nprofile = "gpt5"\n', "unknown profile"),
+    ('[[engines]]\nid = "a"\nrole = "both"\nurl = "http://127.0.0.1:1"\ndeployment = "gpt5"\n',
+     "unknown deployment 'gpt5'; known: llama3-70b-a800x8, llama3-8b-h200"),
+    ('[[engines]]\nid = "a"\nrole = "both"\nurl = "http://127.0.0.1:1"\nprofile = "gpt5"\n',  # deprecated alias
+     "unknown deployment 'gpt5'"),
+    ('[prior]\nprefill_mfu = 2.0\n', "prior prefill_mfu must be in (0, 1]"),
+    ('[embedded]\nprofile = "gpt5"\n', "unknown profile 'gpt5'"),
     ("port = = 1\n", "not valid TOML"),
 ])
 def test_bad_config_is_one_line_and_exit_2(tmp_path, config, words):

@@ -39,3 +39,27 @@ def test_unreadable_and_malformed_files(tmp_path):
     bad.write_text("port = = 3")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_config(str(bad))
+
+
+def test_engines_name_a_public_deployment_and_the_prior_is_configurable():
+    from predictors.analytic import Prior
+
+    e = {"id": "a", "role": "both", "url": "http://x"}
+    cfg = parse_config({"engines": [{**e, "deployment": "llama3-70b-a800x8", "kv_capacity_tokens": 1000,
+                                     "max_model_len": 4096}], "prior": {"decode_mbu": 0.6}})
+    eng = cfg.engines[0]
+    assert (eng.deployment, eng.kv_capacity_tokens, eng.max_model_len) == ("llama3-70b-a800x8", 1000, 4096)
+    assert cfg.prior == Prior(decode_mbu=0.6) and parse_config({}).prior == Prior()
+    cfg = parse_config({"engines": [{**e, "profile": "llama3-70b-a800x8"}]})
+    assert cfg.engines[0].deployment == "llama3-70b-a800x8"
+    for raw, words in (({"engines": [{**e, "deployment": "gpt5"}]}, "engine a: unknown deployment 'gpt5'; known: "),
+                       ({"engines": [{**e, "deployment": "llama3-8b-h200@time-scale-2"}]}, None),
+                       ({"engines": [{**e, "deployment": "llama3-70b-a800x8", "profile": "llama3-8b-h200"}]},
+                        "not both"),
+                       ({"engines": [{**e, "kv_capacity_tokens": 0}]}, "positive integer"),
+                       ({"prior": {"mfu": 0.5}}, "unknown key"), ({"prior": {"decode_mbu": 0}}, r"\(0, 1\]")):
+        if words is None:
+            parse_config(raw)  # a time-scaled deployment is a public fact too
+        else:
+            with pytest.raises(ConfigError, match=words):
+                parse_config(raw)

@@ -320,3 +320,26 @@ def test_engine_restarting_between_health_checks_loses_its_indexed_blocks():
             until(lambda i: i["consecutive_failures"] == 0 and i["cached_blocks"]["device"] == 0)
     finally:
         engine.stop()
+
+def test_the_gateway_learns_each_engines_kv_capacity_from_its_metrics(gw):
+    """The scheduler starts from a public estimate and takes the engine's own capacity from
+    vllm:cache_config_info (num_gpu_blocks x block_size); it is told the deployment, nothing else."""
+    from predictors.facts import load_deployment
+
+    estimate = load_deployment("llama3-8b-h200").estimated_kv_capacity_tokens()
+
+    def learned():
+        rows = requests.get(gw["url"] + "/admin/cluster").json()["instances"]
+        return {r["id"]: (r["deployment"], r["kv_capacity_tokens"]) for r in rows}
+
+    for _ in range(100):  # the health poll reads /metrics every health_interval_s
+        if all(cap != estimate for _, cap in learned().values()):
+            break
+        threading.Event().wait(0.05)
+    from engines_adapters.vllm_client import parse_vllm_metrics
+
+    urls = {i["id"]: i["url"] for i in requests.get(gw["url"] + "/admin/cluster").json()["instances"]}
+    for eid, (deployment, cap) in learned().items():
+        url = urls[eid]
+        assert deployment == "llama3-8b-h200"
+        assert cap == parse_vllm_metrics(requests.get(url + "/metrics").text).kv_capacity_tokens

@@ -99,6 +99,17 @@ def test_metrics_parsing_sums_counts_and_takes_the_fullest_kv():
     assert (s.running, s.waiting) == (7, 2) and s.kv_usage == pytest.approx(0.7)
     old = parse_vllm_metrics('# TYPE vllm:gpu_cache_usage_perc gauge\nvllm:gpu_cache_usage_perc{model_name="m"} 0.5\n')
     assert old.kv_usage == pytest.approx(0.5)
+    assert s.kv_capacity_tokens is None and old.kv_capacity_tokens is None  # not published: unknown
+
+
+def test_metrics_parsing_reads_the_kv_capacity_from_cache_config_info():
+    from engines_adapters.vllm_client import parse_vllm_metrics
+
+    info = ('vllm:cache_config_info{block_size="%s",cache_dtype="auto",enable_prefix_caching="True",'
+            'engine="%s",gpu_memory_utilization="0.9",num_cpu_blocks="0",num_gpu_blocks="%s"} 1.0')
+    text = "\n".join(["# TYPE vllm:cache_config_info gauge", info % (16, 0, 1000), info % (16, 1, 500), ""])
+    assert parse_vllm_metrics(text).kv_capacity_tokens == 24_000  # two DP engines' caches
+    assert parse_vllm_metrics(info % (16, 0, "None") + "\n").kv_capacity_tokens is None  # before profiling
 
 
 def test_in_band_engine_error_is_not_a_success():

@@ -4,7 +4,7 @@ from collections import Counter
 
 import pytest
 
-from predictors.analytic import ProfileBook, analytic_predictors
+from predictors.analytic import DeploymentBook, analytic_predictors
 from predictors.base import Predictors
 from scheduler import SLO, Instance, Placement, Rejection, RequestFacts, Scheduler
 from scheduler.explain import candidates
@@ -96,7 +96,7 @@ def test_conductor_without_peer_pull_only_pulls_from_the_store():
 
 
 def test_conductor_recomputes_when_the_network_is_slower_than_the_prefill_it_would_save():
-    book = ProfileBook()
+    book = DeploymentBook()
     fast = analytic_predictors(book)
 
     class SlowNetwork:

@@ -33,8 +33,8 @@ def test_policy_names_and_construction_errors():
         Scheduler([Instance("a", "both")], policy="lmetric", cache_threshold=0.5)
     with pytest.raises(ValueError, match="duplicate"):
         Scheduler([Instance("a", "both"), Instance("a", "prefill")])
-    with pytest.raises(ValueError, match="unknown profile"):
-        Scheduler([Instance("a", "both", profile="gpt-5-on-a-toaster")])
+    with pytest.raises(ValueError, match="unknown deployment 'gpt-5-on-a-toaster'; known: "):
+        Scheduler([Instance("a", "both", deployment="gpt-5-on-a-toaster")])
     with pytest.raises(ValueError):
         Instance("a", "router")
     with pytest.raises(ValueError):
@@ -225,7 +225,8 @@ def test_snapshot_shape():
     snap = sched.snapshot()
     assert {"instances", "totals", "index_mb"} <= set(snap)
     row = snap["instances"][0]
-    assert {"id", "role", "profile", "healthy", "reserved_prefill_tokens", "reserved_prefill_s", "active_requests",
+    assert {"id", "role", "deployment", "kv_capacity_tokens", "max_model_len", "healthy", "reserved_prefill_tokens",
+            "reserved_prefill_s", "active_requests",
             "kv_tokens", "cached_blocks"} <= set(row)
     assert set(row["cached_blocks"]) == {"device", "host", "store"}
     assert snap["totals"]["reservations"] == 1 and snap["totals"]["decisions"]["placed"] == 1
@@ -313,3 +314,27 @@ def test_ledger_returns_to_zero_after_any_interleaving(steps, policy, early):
     assert sched.ledger.is_idle()
     totals = sched.snapshot()["totals"]
     assert totals["reservations"] == totals["reserved_prefill_tokens"] == totals["running"] == totals["kv_tokens"] == 0
+
+
+def test_capacity_from_config_or_the_engine_replaces_the_public_estimate():
+    from predictors.base import DecodeState
+    from predictors.facts import load_deployment
+
+    sched = Scheduler([Instance("a", "both", max_model_len=2048, kv_capacity_tokens=500_000)], clock=Clock(0.0))
+    row = sched.snapshot()["instances"][0]
+    assert (row["deployment"], row["kv_capacity_tokens"], row["max_model_len"]) == ("llama3-8b-h200", 500_000, 2048)
+    assert isinstance(sched.decide(facts("long", n=4000)), Rejection)  # longer than the configured context
+    tbt_before = sched.predictors.tbt.tbt(DecodeState("a", 10, 100_000), 100, 10)
+    assert sched.set_capacity("a", kv_capacity_tokens=50_000, max_model_len=8192)  # what the engine reports
+    row = sched.snapshot()["instances"][0]
+    assert (row["kv_capacity_tokens"], row["max_model_len"]) == (50_000, 8192)
+    assert isinstance(sched.decide(facts("long2", n=4000)), Placement)
+    # the predictors learned it too: 100k KV tokens now overcommit the smaller cache
+    assert sched.predictors.tbt.tbt(DecodeState("a", 10, 100_000), 100, 10) > 1.8 * tbt_before
+    assert not sched.set_capacity("a", kv_capacity_tokens=50_000)  # nothing changed
+    assert not sched.set_capacity("zz", kv_capacity_tokens=1) and not sched.set_capacity("a", kv_capacity_tokens=-3)
+    est = Scheduler([Instance("b", "both")]).snapshot()["instances"][0]
+    d = load_deployment("llama3-8b-h200")
+    assert (est["kv_capacity_tokens"], est["max_model_len"]) == (d.estimated_kv_capacity_tokens(), d.max_model_len)
+    with pytest.raises(ValueError):
+        Instance("c", "both", kv_capacity_tokens=0)

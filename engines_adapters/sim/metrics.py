@@ -53,6 +53,21 @@ class _EngineCollector:
         yield gauge("sim:kv_cache_free_blocks", "Free or evictable KV blocks.", st.kv_free_blocks)
         yield gauge("sim:host_cache_blocks", "Blocks held by the host-memory tier.", st.host_blocks)
         yield counter("sim:host_cache_hits", "Prefix tokens reloaded from the host tier.", st.host_hits)
+        yield self._cache_config_info()
+
+    def _cache_config_info(self) -> GaugeMetricFamily:
+        """vLLM's info gauge (value 1) whose labels carry the KV cache's configuration, as vLLM
+        publishes CacheConfig (labelled by engine, not model): a client learns the capacity
+        (num_gpu_blocks x block_size) from it instead of guessing."""
+        e = self.engine
+        info = {"block_size": str(e.block_size), "cache_dtype": "auto", "enable_prefix_caching": "True",
+                "gpu_memory_utilization": str(e.profile.efficiency.get("gpu_memory_utilization", 0.9)),
+                "num_cpu_blocks": str(e.kv.host_capacity), "num_gpu_blocks": str(e.kv.capacity),
+                "prefix_caching_hash_algo": "sha256", "engine": self.labels[1]}
+        g = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                              labels=list(info))
+        g.add_metric(list(info.values()), 1.0)
+        return g
 
 
 class EngineMetrics:

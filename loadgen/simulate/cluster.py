@@ -83,13 +83,15 @@ class SimCluster:
             model = EngineModel(profile, role.value, block_size=spec.block_size, seed=spec.seed + k, noise=spec.noise,
                                 kv_events=True, **spec.engine)
             self.instances[iid] = SimInstance(iid, role, model, loop, self._on_step)
-            members.append(Instance(iid, role, profile=spec.profile))
+            members.append(Instance(iid, role, deployment=profile.deployment.name))
         params = dict(sched.policy_params)
         if sched.policy == "conductor":  # as the gateway: engines cannot pull a prefix from a peer
             params.setdefault("peer_pull", False)
         self.scheduler = Scheduler(members, policy=sched.policy, slo=sched.slo, block_size=spec.block_size,
                                    clock=loop.clock, early_rejection=sched.early_rejection, seed=sched.seed,
                                    keep_decisions=0, predictors=predictors(members) if predictors else None, **params)
+        for iid, inst in self.instances.items():  # what the gateway reads from each engine's /metrics at start
+            self.scheduler.set_capacity(iid, kv_capacity_tokens=inst.model.kv.capacity * spec.block_size)
         self.on_done = on_done
         self._live: dict[str, _Live] = {}
         self.ignored_events = 0
