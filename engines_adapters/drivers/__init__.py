@@ -18,7 +18,7 @@ from engines_adapters.drivers.vllm import VLLMTwoStepDriver, parse_vllm_metrics
 from engines_adapters.kv_wire import Event, decode_batch
 
 #: A KV-event payload frame -> (timestamp, events in the normalised (vLLM) classes, DP rank).
-KVBatchDecoder = Callable[[bytes], "tuple[float, list[Event], int | None]"]
+KVBatchDecoder = Callable[[bytes], tuple[float, list[Event], int | None]]
 
 
 @dataclass(frozen=True, slots=True)
