@@ -1,5 +1,8 @@
 """KV cache event subscriber (vLLM 0.33 / SGLang ZMQ wire format, PROTOCOLS.md §3).
 
+The payload decoder is the engine flavour's (``engines_adapters.drivers.kv_event_decoder``): it
+turns the family's own event encoding into the normalised vLLM event classes the index is fed with.
+
 One subscriber per engine keeps that engine's part of the hit index true: it replays history on
 connect, replays again on a sequence gap, and drops and rebuilds the instance's index when replay
 cannot cover the gap or the engine restarted (sequence went backwards).
@@ -11,13 +14,13 @@ import logging
 import struct
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 from urllib.parse import urlsplit
 
 import zmq
 import zmq.asyncio
 
-from engines_adapters.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch, publisher_binds
+from engines_adapters.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, Event, decode_batch, publisher_binds
 
 log = logging.getLogger(__name__)
 _END_SEQ = -1
@@ -77,8 +80,9 @@ class SubscriberStats:
 class KVEventSubscriber:
     def __init__(self, ctx: zmq.asyncio.Context, instance_id: str, endpoint: str, sink: HitIndexSink, *,
                  engine_url: str = "http://127.0.0.1", replay_endpoint: str | None = None, topic: bytes = b"",
-                 replay_timeout_s: float = 2.0, idle_probe_s: float = 1.0):
-        self.ctx, self.instance_id, self.sink = ctx, instance_id, sink
+                 replay_timeout_s: float = 2.0, idle_probe_s: float = 1.0,
+                 decode: Callable[[bytes], tuple[float, list[Event], int | None]] = decode_batch):
+        self.ctx, self.instance_id, self.sink, self.decode = ctx, instance_id, sink, decode
         self.endpoint, self.engine_url, self.replay_endpoint = endpoint, engine_url, replay_endpoint
         self.topic, self.replay_timeout_s, self.idle_probe_s = topic, replay_timeout_s, idle_probe_s
         self._last_heard = time.monotonic()
@@ -207,7 +211,7 @@ class KVEventSubscriber:
 
     def _apply(self, seq: int, payload: bytes) -> None:
         try:
-            _, events, _ = decode_batch(payload)
+            _, events, _ = self.decode(payload)
         except Exception as e:  # a malformed batch must not kill the subscriber
             log.warning("kv events %s: undecodable batch %d: %s", self.instance_id, seq, e)
             self.stats.ignored += 1

@@ -1,5 +1,6 @@
-"""The gateway's live view of its engines: clients, KV event subscribers feeding the scheduler's
-hit index, and health/load polling that ejects and readmits instances."""
+"""The gateway's live view of its engines: clients and drivers (by each engine's flavour), KV
+event subscribers feeding the scheduler's hit index, and health/load polling that ejects and
+readmits instances."""
 from __future__ import annotations
 
 import asyncio
@@ -9,13 +10,18 @@ import time
 import aiohttp
 import zmq.asyncio
 
+from engines_adapters.drivers import Pair, PairDriver, flavor
+from engines_adapters.engine_client import EngineClient
 from engines_adapters.kv_events import KVEventSubscriber
-from engines_adapters.vllm_client import EngineClient
 from gateway.config import EngineConfig, GatewayConfig
 from predictors.analytic import analytic_predictors
 from scheduler import Instance, Scheduler
 
 log = logging.getLogger(__name__)
+
+#: The engine flavour (PD protocol, metric names, KV-event wire) each configured ``kind`` speaks:
+#: the sim engine mirrors vLLM 0.33.
+KIND_FLAVORS = {"vllm": "vllm", "sim": "vllm"}
 
 
 def build_scheduler(cfg: GatewayConfig, engines: list[EngineConfig]) -> Scheduler:
@@ -37,6 +43,7 @@ class Cluster:
         self.scheduler = build_scheduler(cfg, engines)
         self.session: aiohttp.ClientSession | None = None
         self.clients: dict[str, EngineClient] = {}
+        self.drivers: dict[str, PairDriver] = {}
         self.subscribers: dict[str, KVEventSubscriber] = {}
         self.healthy: dict[str, bool] = {e.id: False for e in engines}
         self.failures: dict[str, int] = {e.id: 0 for e in engines}
@@ -49,8 +56,11 @@ class Cluster:
         conn = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
         self.session = aiohttp.ClientSession(connector=conn, auto_decompress=False)
         for e in self.engines.values():
-            self.clients[e.id] = EngineClient(self.session, e.id, e.url, connect_timeout_s=self.cfg.upstream_connect_timeout_s,
+            fl = flavor(KIND_FLAVORS[e.kind])
+            self.clients[e.id] = EngineClient(self.session, e.id, e.url, flavor=fl.name,
+                                              connect_timeout_s=self.cfg.upstream_connect_timeout_s,
                                               timeout_s=self.cfg.upstream_timeout_s)
+            self.drivers[e.id] = fl.driver
             if e.kv_events:
                 self._subscribe(e)
         await self.poll_once()
@@ -58,7 +68,8 @@ class Cluster:
 
     def _subscribe(self, e: EngineConfig) -> None:
         sub = KVEventSubscriber(self._zmq, e.id, e.kv_events, self.scheduler.index, engine_url=e.url,
-                                replay_endpoint=e.kv_events_replay)
+                                replay_endpoint=e.kv_events_replay,
+                                decode=flavor(KIND_FLAVORS[e.kind]).decode_kv_batch)
         sub.open()
         self.subscribers[e.id] = sub
         self._sub_tasks[e.id] = asyncio.create_task(self._keep_subscribed(sub), name=f"kv-events-{e.id}")
@@ -134,6 +145,10 @@ class Cluster:
     def set_healthy(self, eid: str, healthy: bool) -> None:
         self.healthy[eid] = healthy
         self.scheduler.set_healthy(eid, healthy)
+
+    def pair(self, prefill: str, decode: str) -> tuple[PairDriver, Pair]:
+        """The driver and clients for a placement (a pair never mixes flavours: the prefill's drives)."""
+        return self.drivers[prefill], Pair(self.clients[prefill], self.clients[decode])
 
     def report_failure(self, eid: str) -> None:
         """A request could not reach the engine: count it like a failed health check."""

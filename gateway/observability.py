@@ -9,6 +9,7 @@ import json
 import logging
 from typing import IO
 
+from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
@@ -69,6 +70,43 @@ def make_tracer_provider(exporter: str, endpoint: str | None) -> TracerProvider 
 
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint) if endpoint else OTLPSpanExporter()))
     return provider
+
+
+class RequestSpans:
+    """OpenTelemetry spans of one finished request, built from its record (a lifecycle
+    observer): the request, and its decide, prefill, transfer and decode phases."""
+
+    def __init__(self, tracer: trace.Tracer, wall_offset_ns: int):
+        self.tracer, self.wall_offset_ns = tracer, wall_offset_ns
+
+    def _ns(self, t: float) -> int:
+        return int(t * 1e9) + self.wall_offset_ns
+
+    def __call__(self, rec: RequestRecord, endpoint: str) -> None:
+        root = self.tracer.start_span("conductor.request", start_time=self._ns(rec.arrival_s),
+                                      attributes={"conductor.request_id": rec.request_id, "conductor.endpoint": endpoint})
+        if rec.decided_s is not None:
+            self._child(root, "decide", rec.arrival_s, rec.decided_s)
+        if rec.prefill_instance is not None:
+            root.set_attributes({"conductor.prefill": rec.prefill_instance, "conductor.decode": rec.decode_instance,
+                                 "conductor.hit_tokens": rec.hit_tokens,
+                                 "conductor.predicted_ttft_s": rec.predicted_ttft_s})
+        if rec.prefill_start_s is not None and rec.prefill_end_s is not None:
+            self._child(root, "prefill", rec.prefill_start_s, rec.prefill_end_s,
+                        {"conductor.instance": rec.prefill_instance})
+        end = rec.end_s if rec.end_s is not None else rec.arrival_s
+        if rec.first_token_s is not None and rec.decode_start_s is not None:
+            self._child(root, "transfer", rec.decode_start_s, rec.first_token_s)
+            self._child(root, "decode", rec.first_token_s, end)
+        if rec.ttft_s is not None:
+            root.set_attribute("conductor.actual_ttft_s", rec.ttft_s)
+        root.set_attributes({"conductor.status": rec.status, "http.status_code": rec.http_status or 0})
+        root.end(end_time=self._ns(end))
+
+    def _child(self, parent: trace.Span, name: str, start: float, end: float, attrs: dict | None = None) -> None:
+        s = self.tracer.start_span(name, context=trace.set_span_in_context(parent), start_time=self._ns(start),
+                                   attributes=attrs)
+        s.end(end_time=self._ns(end))
 
 
 class TelemetryWriter:

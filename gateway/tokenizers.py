@@ -8,7 +8,8 @@ import os
 from typing import Protocol
 
 from engines_adapters.tokenizer import ByteTokenizer
-from engines_adapters.vllm_client import EngineClient, UpstreamError, UpstreamHTTPError
+from engines_adapters.drivers import UpstreamError, UpstreamHTTPError
+from engines_adapters.engine_client import EngineClient
 from gateway.errors import RequestError
 from gateway.requests import ParsedRequest, builtin_tokens
 

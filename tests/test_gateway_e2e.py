@@ -218,6 +218,29 @@ def test_dead_engine_before_first_byte_is_retried_on_another_pair_then_ejected()
             assert r.status_code == 503 and r.json()["error"]["code"]
 
 
+def test_decode_leg_refused_for_lost_kv_is_retried_on_another_pair_once():
+    # the prefill instance drops KV nobody pulled at once: every decode leg finds it gone (410)
+    with sim_engine("prefill", "--kv-hold-timeout", "0.00001") as p1, sim_engine("decode") as d1, \
+            sim_engine("decode") as d2:
+        cfg = ['policy = "round_robin"', "health_interval_s = 60", "eject_after_failures = 10",
+               "[slo]", "ttft_ms = 600000", "tbt_ms = 600000"]
+        for name, e, role in (("p1", p1, "prefill"), ("d1", d1, "decode"), ("d2", d2, "decode")):
+            cfg += engine_entry(name, role, e["url"])
+        with gateway("\n".join(cfg) + "\n") as g:
+            model = requests.get(g["url"] + "/v1/models").json()["data"][0]["id"]
+            body = {"model": model, "messages": [{"role": "user", "content": "where did my KV go " * 20}],
+                    "max_tokens": 3}
+            r = requests.post(g["url"] + "/v1/chat/completions", json=body, headers={"x-request-id": "kv-lost"},
+                              timeout=30)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "upstream_unavailable"
+            assert r.headers["x-request-id"] == "kv-lost"
+            tried = [d["chosen"]["decode"] for d in requests.get(g["url"] + "/admin/decisions").json()["decisions"]
+                     if d["request_id"] == "kv-lost"]
+            assert sorted(tried) == ["d1", "d2"]  # the retry avoided the decode instance that failed
+            view = requests.get(g["url"] + "/admin/cluster").json()
+            assert all(i["active_requests"] == 0 for i in view["instances"])
+
+
 def test_engine_dying_mid_stream_ends_the_stream_with_an_sse_error():
     with sim_engine("prefill") as p1, sim_engine("decode") as d1:
         cfg = ["health_interval_s = 60", "[slo]", "ttft_ms = 600000", "tbt_ms = 600000"]
@@ -336,7 +359,7 @@ def test_the_gateway_learns_each_engines_kv_capacity_from_its_metrics(gw):
         if all(cap != estimate for _, cap in learned().values()):
             break
         threading.Event().wait(0.05)
-    from engines_adapters.vllm_client import parse_vllm_metrics
+    from engines_adapters.drivers.vllm import parse_vllm_metrics
 
     urls = {i["id"]: i["url"] for i in requests.get(gw["url"] + "/admin/cluster").json()["instances"]}
     for eid, (deployment, cap) in learned().items():

@@ -69,7 +69,7 @@ def test_nulls_mean_defaults_and_max_completion_tokens_wins():
 
 
 def test_prefill_leg_body():
-    from engines_adapters.vllm_client import decode_body, prefill_body
+    from engines_adapters.drivers.vllm import decode_body, prefill_body
 
     original = {"model": "m", "messages": [], "max_tokens": 50, "max_completion_tokens": 40, "min_tokens": 8,
                 "stream": True, "stream_options": {"include_usage": True}, "top_k": 3}
@@ -83,7 +83,7 @@ def test_prefill_leg_body():
 
 
 def test_metrics_parsing_sums_counts_and_takes_the_fullest_kv():
-    from engines_adapters.vllm_client import parse_vllm_metrics
+    from engines_adapters.drivers import parse_metrics
 
     text = "\n".join([
         "# TYPE vllm:num_requests_running gauge",
@@ -95,15 +95,16 @@ def test_metrics_parsing_sums_counts_and_takes_the_fullest_kv():
         'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.7',
         'vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.4',
         ""])
-    s = parse_vllm_metrics(text)
+    s = parse_metrics("vllm", text)
     assert (s.running, s.waiting) == (7, 2) and s.kv_usage == pytest.approx(0.7)
-    old = parse_vllm_metrics('# TYPE vllm:gpu_cache_usage_perc gauge\nvllm:gpu_cache_usage_perc{model_name="m"} 0.5\n')
+    old = parse_metrics("vllm", '# TYPE vllm:gpu_cache_usage_perc gauge\n'
+                                'vllm:gpu_cache_usage_perc{model_name="m"} 0.5\n')
     assert old.kv_usage == pytest.approx(0.5)
     assert s.kv_capacity_tokens is None and old.kv_capacity_tokens is None  # not published: unknown
 
 
 def test_metrics_parsing_reads_the_kv_capacity_from_cache_config_info():
-    from engines_adapters.vllm_client import parse_vllm_metrics
+    from engines_adapters.drivers.vllm import parse_vllm_metrics
 
     info = ('vllm:cache_config_info{block_size="%s",cache_dtype="auto",enable_prefix_caching="True",'
             'engine="%s",gpu_memory_utilization="0.9",num_cpu_blocks="0",num_gpu_blocks="%s"} 1.0')

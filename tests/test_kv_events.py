@@ -52,9 +52,10 @@ async def until(cond, timeout_s: float = 5.0) -> None:
         await asyncio.sleep(0.01)
 
 
-async def nudge_until(pub: KVEventPublisher, cond, tries: int = 100) -> None:
+async def nudge_until(pub: KVEventPublisher, cond, tries: int = 300) -> None:
     """Publish empty batches until ``cond``: a batch dropped before the engine's (re)connection
-    carried our subscription is only noticed as a gap when a later batch arrives."""
+    carried our subscription is only noticed as a gap when a later batch arrives. Bounded at
+    15 s: a replay round trip on a loaded 2-core machine can take seconds."""
     for _ in range(tries):
         if cond():
             return

@@ -162,7 +162,7 @@ def test_metrics_use_vllm_names_and_track_a_running_stream(engine):
             assert name in text, name
         assert 'model_name="llama3-8b"' in text
         assert engine.metric("vllm:kv_cache_usage_perc") > 0
-        from engines_adapters.vllm_client import parse_vllm_metrics
+        from engines_adapters.drivers.vllm import parse_vllm_metrics
 
         assert parse_vllm_metrics(text).kv_capacity_tokens == 200_000  # vllm:cache_config_info: blocks x block_size
     finally:

@@ -1,0 +1,93 @@
+"""One engine's HTTP surface as the gateway uses it: health, load (its metrics, parsed by the
+engine's flavour), served models, tokenize, and requests (read whole, or opened up to the response
+headers). Engine-family protocol (how a prefill/decode pair is driven) lives in
+``engines_adapters.drivers``; this client only speaks HTTP.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+
+from engines_adapters.drivers import LoadSample, UpstreamHTTPError, UpstreamTimeout, UpstreamUnavailable, parse_metrics
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+class EngineClient:
+    """One engine behind its base URL. All calls are bounded by timeouts; none blocks the loop.
+    ``flavor`` names the engine family (``engines_adapters.drivers.FLAVORS``): its metric names."""
+
+    def __init__(self, session: aiohttp.ClientSession, engine_id: str, url: str, *, flavor: str = "vllm",
+                 connect_timeout_s: float = 5.0, timeout_s: float = 600.0):
+        self.session, self.id, self.url, self.flavor = session, engine_id, url.rstrip("/"), flavor
+        self.connect_timeout_s, self.timeout_s = connect_timeout_s, timeout_s
+
+    def _timeout(self, streaming: bool) -> aiohttp.ClientTimeout:
+        """A whole-answer limit for legs read at once; an idle limit for streams, which may
+        legitimately run longer than any total limit (long generations)."""
+        if streaming:
+            return aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s, sock_read=self.timeout_s)
+        return aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=self.connect_timeout_s)
+
+    async def post_json(self, path: str, body: Any, headers: dict[str, str]) -> bytes:
+        """POST and read the whole answer; a non-200 answer raises UpstreamHTTPError."""
+        resp = await self.open(path, body, headers, streaming=False)
+        try:
+            data = await resp.read()
+        except asyncio.TimeoutError:
+            raise UpstreamTimeout(f"engine {self.id} timed out", self.id) from None
+        except aiohttp.ClientError as e:
+            raise UpstreamUnavailable(f"engine {self.id} failed: {e}", self.id) from None
+        finally:
+            resp.close()  # read to the end, or abandoned: never hand a half-read connection back
+        if resp.status != 200:
+            raise UpstreamHTTPError(resp.status, data, self.id)
+        return data
+
+    async def open(self, path: str, body: dict[str, Any], headers: dict[str, str], *,
+                   streaming: bool = True) -> aiohttp.ClientResponse:
+        """Start a request and return the response once headers arrived (caller reads and closes it)."""
+        try:
+            resp = await self.session.request(
+                "POST", self.url + path, data=_dumps(body),
+                headers={**headers, "content-type": "application/json"}, timeout=self._timeout(streaming))
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
+            # could not connect (a connect timeout is also a TimeoutError): another pair may work
+            raise UpstreamUnavailable(f"engine {self.id} unreachable: {e}", self.id) from None
+        except asyncio.TimeoutError:
+            raise UpstreamTimeout(f"engine {self.id} timed out", self.id) from None
+        except aiohttp.ClientError as e:
+            raise UpstreamUnavailable(f"engine {self.id} unreachable: {e}", self.id) from None
+        return resp
+
+    async def health(self, timeout_s: float = 2.0) -> bool:
+        try:
+            async with self.session.get(self.url + "/health", timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                return r.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return False
+
+    async def load(self, timeout_s: float = 2.0) -> LoadSample | None:
+        try:
+            async with self.session.get(self.url + "/metrics", timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                if r.status != 200:
+                    return None
+                return parse_metrics(self.flavor, await r.text())
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            return None
+
+    async def models(self, timeout_s: float = 2.0) -> list[str]:
+        try:
+            async with self.session.get(self.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                data = await r.json()
+            return [m["id"] for m in data.get("data", [])]
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError):
+            return []
+
+    async def tokenize(self, payload: dict[str, Any]) -> list[int]:
+        return list(json.loads(await self.post_json("/tokenize", payload, {}))["tokens"])
