@@ -88,7 +88,8 @@ class EngineModel:
     def __init__(self, profile: Profile, role: str = "both", *, block_size: int = 16,
                  max_num_batched_tokens: int = 8192, max_num_seqs: int = 256,
                  kv_capacity_tokens: int | None = None, host_tier_tokens: int = 0, seed: int = 0,
-                 noise: float = 0.02, kv_events: bool = False, kv_hold_timeout: float = 30.0,
+                 noise: float = 0.02, kv_events: bool = False, event_hashes: str = "vllm",
+                 kv_hold_timeout: float = 30.0,
                  net_bytes_per_s: float | None = None, transfer_latency_s: float | None = None,
                  host_bytes_per_s: float | None = None, median_output: int = 128,
                  max_model_len: int | None = None):
@@ -122,7 +123,13 @@ class EngineModel:
         self._rng = random.Random(seed)
         self.sampler = OutputSampler(seed, median_output)
         self._corpus = self.sampler.corpus
-        self._none_digest = vllm_none_hash() if kv_events else None
+        if event_hashes not in ("vllm", "index"):
+            raise ValueError(f"event_hashes must be 'vllm' or 'index', got {event_hashes!r}")
+        # "vllm": events name blocks by vLLM's sha256 ids, as on the wire; "index": by the chained
+        # xxhash the engine already keys its cache by (the simulator's choice: a subscriber
+        # re-hashes the events' token ids either way, and sha256 per block dominates its run time)
+        self._index_ids = event_hashes == "index"
+        self._none_digest = vllm_none_hash() if kv_events and not self._index_ids else None
         self._waiting: deque[_Seq] = deque()
         self._prefilling: list[_Seq] = []
         self._decoding: list[_Seq] = []
@@ -582,17 +589,26 @@ class EngineModel:
                 a, b = run_start, prev + 1
                 parent = s.blocks[a - 1] if a else None
                 tokens = self._tokens(s, a * bs, b * bs)
-                digests = vllm_block_digests(tokens, bs, parent=parent.vdigest if parent else self._none_digest)
                 parent_vh = parent.vh if parent else None
                 hashes = []
-                for off, d in enumerate(digests):
-                    blk = s.blocks[a + off]
-                    blk.vdigest = d
-                    blk.vh = digest_to_int(d)
-                    blk.parent_vh = parent_vh if off == 0 else hashes[-1]
-                    if keep_tokens:
-                        blk.tokens = tuple(tokens[off * bs:(off + 1) * bs])
-                    hashes.append(blk.vh)
+                if self._index_ids:
+                    for off in range(b - a):
+                        blk = s.blocks[a + off]
+                        blk.vh = blk.h
+                        blk.parent_vh = parent_vh if off == 0 else hashes[-1]
+                        if keep_tokens:
+                            blk.tokens = tuple(tokens[off * bs:(off + 1) * bs])
+                        hashes.append(blk.h)
+                else:
+                    digests = vllm_block_digests(tokens, bs, parent=parent.vdigest if parent else self._none_digest)
+                    for off, d in enumerate(digests):
+                        blk = s.blocks[a + off]
+                        blk.vdigest = d
+                        blk.vh = digest_to_int(d)
+                        blk.parent_vh = parent_vh if off == 0 else hashes[-1]
+                        if keep_tokens:
+                            blk.tokens = tuple(tokens[off * bs:(off + 1) * bs])
+                        hashes.append(blk.vh)
                 self.kv.events.append(BlockStored(
                     block_hashes=hashes, parent_block_hash=parent_vh, token_ids=tokens, block_size=bs,
                     lora_id=None, medium=MEDIUM_GPU, lora_name=None))

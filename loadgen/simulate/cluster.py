@@ -80,8 +80,10 @@ class SimCluster:
         self.instances: dict[str, SimInstance] = {}
         members = []
         for k, (iid, role) in enumerate(spec.roles()):
+            # a decode-only instance is never a prefill candidate: its KV events could not change a
+            # decision (the live gateway indexes them all the same), so it does not produce them
             model = EngineModel(profile, role.value, block_size=spec.block_size, seed=spec.seed + k, noise=spec.noise,
-                                kv_events=True, **spec.engine)
+                                kv_events=role is not Role.DECODE, event_hashes="index", **spec.engine)
             self.instances[iid] = SimInstance(iid, role, model, loop, self._on_step)
             members.append(Instance(iid, role, deployment=profile.deployment.name))
         params = dict(sched.policy_params)
