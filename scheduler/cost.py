@@ -18,7 +18,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Hashable
 
-from predictors.base import DecodeState, PrefillState, Predictors
+from predictors.base import DecodeState, Predictors, PrefillState
 from predictors.types import Tier
 from scheduler.types import RequestFacts
 

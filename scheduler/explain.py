@@ -39,7 +39,7 @@ def candidates(record: dict[str, Any], side: str) -> list[dict[str, Any]]:
     """The ``side`` ("prefill" or "decode") candidates of a record, one dict each."""
     t = record.get(side) or {}
     cols = t.get("columns", ())
-    return [dict(zip(cols, row)) for row in t.get("rows", ())]
+    return [dict(zip(cols, row, strict=True)) for row in t.get("rows", ())]
 
 
 def bare_record(request_id: Any, policy: str, now: float, reason: str, message: str) -> dict[str, Any]:

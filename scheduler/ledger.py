@@ -13,7 +13,6 @@ and an observation older than ``observe_ttl_s`` is ignored.
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field
 
 from predictors.base import DecodeState, PrefillState

@@ -314,7 +314,8 @@ class Scheduler:
     # --- stage 2: cache facts (longest prefix per instance and in the store) ---------------
     def _cache_facts(self, ctx: DecisionContext) -> None:
         facts = ctx.facts
-        usable = min(len(facts.block_hashes), (facts.prompt_tokens - 1) // self.block_size)  # never the last token's block
+        # never the last prompt token's block (the engine recomputes that token for its logits)
+        usable = min(len(facts.block_hashes), (facts.prompt_tokens - 1) // self.block_size)
         try:
             ctx.match = self.index.match(facts.block_hashes, usable)
         except TypeError:

@@ -15,9 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from predictors.types import Role, Tier
 from scheduler.cost import DecisionContext, PrefillCandidate, Terms
 from scheduler.policies.base import DecodeChoice, Policy, PrefillChoice, argmin, runner_up
-from predictors.types import Role, Tier
 
 
 @dataclass(frozen=True)
