@@ -20,18 +20,22 @@ PREFILL_COLUMNS = ("id", "role", "hit_tokens", "local_hit_tokens", "transfer_tok
 #: A decode candidate with this request added.
 DECODE_COLUMNS = ("id", "role", "running", "kv_tokens", "tbt_s", "score")
 
+#: One row of each table, field for field as the columns above.
+PrefillRow = tuple[str, str, int, int, int, str | None, float, float, float, float, int, int, float | None]
+DecodeRow = tuple[str, str, int, int, float, float | None]
 
-def prefill_row(c: PrefillCandidate, t: Terms, score: float | None) -> tuple:
+
+def prefill_row(c: PrefillCandidate, t: Terms, score: float | None) -> PrefillRow:
     return (c.id, c.role, t.hit_tokens, t.local_hit_tokens, t.transfer_tokens, t.transfer_from, t.transfer_s,
             c.queue_s, t.prefill_s, t.transfer_s + c.queue_s + t.prefill_s, c.state.queued_tokens,
             c.state.queued_requests, score)
 
 
-def decode_row(d: DecodeCandidate, score: float | None) -> tuple:
+def decode_row(d: DecodeCandidate, score: float | None) -> DecodeRow:
     return (d.id, d.role, d.state.running, d.state.kv_tokens, d.tbt_s, score)
 
 
-def table(columns: tuple[str, ...], rows: list[tuple]) -> dict[str, Any]:
+def table(columns: tuple[str, ...], rows: list[PrefillRow] | list[DecodeRow]) -> dict[str, Any]:
     return {"columns": columns, "rows": rows}
 
 

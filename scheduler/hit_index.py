@@ -353,5 +353,5 @@ def _record(out: dict[str, int], mask: int, length: int, ids: list[str | None]) 
     """Set ``out[id] = length`` for every slot in ``mask``."""
     while mask:
         low = mask & -mask
-        out[ids[low.bit_length() - 1]] = length  # type: ignore[index]
+        out[ids[low.bit_length() - 1]] = length  # type: ignore[index]  # a set bit is a live slot: never None
         mask ^= low

@@ -20,10 +20,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Sequence, TypeVar
 
 from predictors.types import Role
-from scheduler.cost import DecisionContext, PrefillCandidate
+from scheduler.cost import DecisionContext, DecodeCandidate, PrefillCandidate
 from scheduler.policies.base import DecodeChoice, Policy, PrefillChoice, argmin, runner_up, softmax_pick
+
+#: A prefill or a decode candidate: the worker kind Dynamo's cost picks among.
+_C = TypeVar("_C", PrefillCandidate, DecodeCandidate)
 
 
 @dataclass(frozen=True)
@@ -61,7 +65,7 @@ class DynamoCostPolicy(Policy):
         return (p.prefill_load_scale * max(0.0, raw - credit) + decode_blocks
                 + p.decode_active_request_weight * c.active)
 
-    def _pick(self, items, costs, ctx):
+    def _pick(self, items: Sequence[_C], costs: Sequence[float], ctx: DecisionContext) -> _C:
         t = self.params.router_temperature
         if t > 0:
             return softmax_pick(items, costs, t, ctx.rng)
