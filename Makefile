@@ -1,5 +1,5 @@
 # Fresh machine: `make serve` (set up + run the gateway on the embedded cluster), `make test`.
-# `make test` = lint + the whole suite (what CI runs); `make test-fast` skips tests marked slow.
+# `make test` = lint (ruff, mypy) + the whole suite (what CI runs); `make test-fast` skips tests marked slow.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -20,6 +20,7 @@ serve: setup
 
 lint: setup
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 test: lint
 	$(BIN)/python -m pytest

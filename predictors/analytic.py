@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
-from predictors.base import DecodeState, PrefillState, Predictors
+from predictors.base import DecodeState, Predictors, PrefillState
 from predictors.facts import Deployment, load_deployment
 from predictors.types import Tier
 

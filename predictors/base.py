@@ -16,7 +16,6 @@ from predictors.facts import Deployment
 from predictors.telemetry import RequestRecord
 
 
-
 class PrefillState(NamedTuple):
     """Queued prefill work on one prefill instance, as the ledger sees it (plus observed metrics)."""
 

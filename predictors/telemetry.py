@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, field, fields
+from itertools import pairwise
 from typing import Any, Iterable, Iterator
 
 #: Statuses a finished request can have.
@@ -88,7 +89,7 @@ class RequestRecord:
     @property
     def intervals(self) -> list[float]:
         t = self.token_times
-        return [b - a for a, b in zip(t, t[1:])]
+        return [b - a for a, b in pairwise(t)]
 
     @property
     def tpot_s(self) -> float:

@@ -39,7 +39,9 @@ TIERS: tuple[str, ...] = tuple(t.value for t in Tier)
 
 def parse_role(value: object) -> Role:
     """``Role`` from its name; ValueError naming the choices otherwise."""
-    try:
-        return Role(value)
-    except ValueError:
-        raise ValueError(f"role must be one of {', '.join(ROLES)}, got {value!r}") from None
+    if isinstance(value, str):
+        try:
+            return Role(value)
+        except ValueError:
+            pass
+    raise ValueError(f"role must be one of {', '.join(ROLES)}, got {value!r}")

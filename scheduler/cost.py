@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Any, Hashable
+from typing import TYPE_CHECKING, Hashable
 
-from predictors.base import DecodeState, PrefillState, Predictors
+from predictors.base import DecodeState, Predictors, PrefillState
 from predictors.types import Tier
-from scheduler.types import RequestFacts
+from scheduler.types import Instance, RequestFacts
+
+if TYPE_CHECKING:
+    from scheduler.hit_index import Match
 
 
 @dataclass(slots=True)
@@ -71,7 +74,7 @@ class TermBook:
 
     def __init__(self, prompt_tokens: int, block_size: int, store_blocks: int, predictors: Predictors):
         self.prompt, self.bs, self.store_blocks, self.pred = prompt_tokens, block_size, store_blocks, predictors
-        self._memo: dict[tuple, Terms] = {}
+        self._memo: dict[tuple[Hashable, ...], Terms] = {}
 
     def _host_load_s(self, c: PrefillCandidate) -> float:
         host = (c.local_blocks - c.device_blocks) * self.bs
@@ -121,13 +124,13 @@ class DecisionContext:
     block_size: int
     predictors: Predictors
     rng: random.Random
-    prefill_pool: list[Any] = field(default_factory=list)  # eligible Instances
-    decode_pool: list[Any] = field(default_factory=list)
-    match: Any = None  # scheduler.hit_index.Match
+    prefill_pool: list[Instance] = field(default_factory=list)  # eligible instances
+    decode_pool: list[Instance] = field(default_factory=list)
+    match: Match | None = None  # set by the cache-facts stage
     store_blocks: int = 0
     prefill: list[PrefillCandidate] = field(default_factory=list)
     decode: list[DecodeCandidate] = field(default_factory=list)
-    terms: TermBook = None  # type: ignore[assignment]  # set by the terms stage
+    terms: TermBook | None = None  # set by the terms stage, before any policy runs
     holder: str | None = None  # best holder: the longest prefix any candidate (or the store) can give
     holder_blocks: int = 0
 

@@ -20,18 +20,22 @@ PREFILL_COLUMNS = ("id", "role", "hit_tokens", "local_hit_tokens", "transfer_tok
 #: A decode candidate with this request added.
 DECODE_COLUMNS = ("id", "role", "running", "kv_tokens", "tbt_s", "score")
 
+#: One row of each table, field for field as the columns above.
+PrefillRow = tuple[str, str, int, int, int, str | None, float, float, float, float, int, int, float | None]
+DecodeRow = tuple[str, str, int, int, float, float | None]
 
-def prefill_row(c: PrefillCandidate, t: Terms, score: float | None) -> tuple:
+
+def prefill_row(c: PrefillCandidate, t: Terms, score: float | None) -> PrefillRow:
     return (c.id, c.role, t.hit_tokens, t.local_hit_tokens, t.transfer_tokens, t.transfer_from, t.transfer_s,
             c.queue_s, t.prefill_s, t.transfer_s + c.queue_s + t.prefill_s, c.state.queued_tokens,
             c.state.queued_requests, score)
 
 
-def decode_row(d: DecodeCandidate, score: float | None) -> tuple:
+def decode_row(d: DecodeCandidate, score: float | None) -> DecodeRow:
     return (d.id, d.role, d.state.running, d.state.kv_tokens, d.tbt_s, score)
 
 
-def table(columns: tuple[str, ...], rows: list[tuple]) -> dict[str, Any]:
+def table(columns: tuple[str, ...], rows: list[PrefillRow] | list[DecodeRow]) -> dict[str, Any]:
     return {"columns": columns, "rows": rows}
 
 
@@ -39,7 +43,7 @@ def candidates(record: dict[str, Any], side: str) -> list[dict[str, Any]]:
     """The ``side`` ("prefill" or "decode") candidates of a record, one dict each."""
     t = record.get(side) or {}
     cols = t.get("columns", ())
-    return [dict(zip(cols, row)) for row in t.get("rows", ())]
+    return [dict(zip(cols, row, strict=True)) for row in t.get("rows", ())]
 
 
 def bare_record(request_id: Any, policy: str, now: float, reason: str, message: str) -> dict[str, Any]:

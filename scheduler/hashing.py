@@ -17,7 +17,7 @@ import hashlib
 import os
 import pickle
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import xxhash
@@ -80,7 +80,7 @@ def vllm_none_hash(seed_text: str | None = None, algo: str = "sha256") -> bytes:
     return hashlib.sha256(_serialiser(algo)(seed_text)).digest()
 
 
-def _serialiser(algo: str):
+def _serialiser(algo: str) -> Callable[[Any], bytes]:
     try:
         return _SERIALISERS[algo]
     except KeyError:

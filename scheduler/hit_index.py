@@ -38,7 +38,6 @@ from operator import and_, neg, or_
 from predictors.types import TIERS, Tier
 from scheduler.hashing import block_hashes as index_block_hashes
 
-
 # tier slots in the index: positions in TIERS (device, host, store)
 _DEV, _HOST, _STORE = (TIERS.index(t) for t in (Tier.DEVICE, Tier.HOST, Tier.STORE))
 TIER_NAMES = TIERS
@@ -166,7 +165,7 @@ class HitIndex:
             return False
         bit = self._bits[slot]
         table = self._tiers[tier]
-        for engine_hash, h in zip(block_hashes, ours):
+        for engine_hash, h in zip(block_hashes, ours, strict=True):
             old = emap.get(engine_hash)
             if old is not None and old != h:  # the engine reused a hash for other tokens
                 self._forget(instance_id, slot, engine_hash, old, tiers=(_DEV, _HOST, _STORE))
@@ -313,11 +312,11 @@ class HitIndex:
     # --- reporting ----------------------------------------------------------------------
     def cached_blocks(self, instance_id: str) -> dict[str, int]:
         counts = self._counts.get(instance_id, (0, 0, 0)) if isinstance(instance_id, str) else (0, 0, 0)
-        return dict(zip(TIER_NAMES, counts))
+        return dict(zip(TIER_NAMES, counts, strict=True))
 
     def blocks(self) -> dict[str, int]:
         """Distinct block hashes per tier."""
-        return dict(zip(TIER_NAMES, map(len, self._tiers)))
+        return dict(zip(TIER_NAMES, map(len, self._tiers), strict=True))
 
     def memory_bytes(self) -> int:
         """Bytes held (as ``sys.getsizeof`` counts them): dict tables, key ints, multi-holder masks.
@@ -354,5 +353,5 @@ def _record(out: dict[str, int], mask: int, length: int, ids: list[str | None]) 
     """Set ``out[id] = length`` for every slot in ``mask``."""
     while mask:
         low = mask & -mask
-        out[ids[low.bit_length() - 1]] = length  # type: ignore[index]
+        out[ids[low.bit_length() - 1]] = length  # type: ignore[index]  # a set bit is a live slot: never None
         mask ^= low

@@ -13,7 +13,6 @@ and an observation older than ``observe_ttl_s`` is ignored.
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field
 
 from predictors.base import DecodeState, PrefillState
@@ -45,6 +44,7 @@ class _Observed:
 class _Load:
     """Per-instance counters; ``pending`` keeps prefill arrival order for the head credit."""
 
+    idle_prefill: PrefillState  # the shared answer for the common idle case (no queue, no metrics)
     queued_tokens: int = 0
     queued_s: float = 0.0
     pending: dict[str, float] = field(default_factory=dict)  # request id -> predicted prefill s
@@ -56,7 +56,6 @@ class _Load:
     observed: _Observed | None = None
     kv_capacity_tokens: int = 0
     typical_prefill_s: float = 0.0  # for queue seen in metrics but not in the ledger
-    idle_prefill: PrefillState | None = None  # shared answers for the common idle case
     decode_now: DecodeState | None = None  # cached (running, kv) view; None when stale
 
 
@@ -71,9 +70,8 @@ class Ledger:
     # --- instances ----------------------------------------------------------------------
     def add_instance(self, instance_id: str, kv_capacity_tokens: int = 0, typical_prefill_s: float = 0.0) -> None:
         if instance_id not in self._loads:
-            self._loads[instance_id] = _Load(kv_capacity_tokens=kv_capacity_tokens,
-                                             typical_prefill_s=typical_prefill_s,
-                                             idle_prefill=PrefillState(instance_id))
+            self._loads[instance_id] = _Load(PrefillState(instance_id), kv_capacity_tokens=kv_capacity_tokens,
+                                             typical_prefill_s=typical_prefill_s)
 
     def set_kv_capacity(self, instance_id: str, kv_capacity_tokens: int) -> None:
         """The instance's device KV capacity in tokens (learned from the engine at run time)."""
@@ -232,8 +230,10 @@ class Ledger:
     def observe(self, instance_id: str, running: int, waiting: int, kv_usage: float, now: float) -> bool:
         """Record scraped engine metrics; False for an unknown instance or impossible values."""
         d = self._loads.get(instance_id)
+        if d is None:
+            return False
         try:
-            ok = (d is not None and 0 <= running < 1e9 and 0 <= waiting < 1e9 and 0.0 <= kv_usage <= 1.0
+            ok = (0 <= running < 1e9 and 0 <= waiting < 1e9 and 0.0 <= kv_usage <= 1.0
                   and math.isfinite(running) and math.isfinite(waiting))
         except TypeError:
             return False
@@ -244,7 +244,7 @@ class Ledger:
 
     # --- reporting ----------------------------------------------------------------------
     def instance_totals(self, instance_id: str) -> dict[str, float | int]:
-        p = self._loads.get(instance_id) or _Load()
+        p = self._loads.get(instance_id) or _Load(PrefillState(instance_id))
         return {"reserved_prefill_tokens": p.queued_tokens, "reserved_prefill_s": p.queued_s,
                 "active_requests": p.active, "running": p.running, "kv_tokens": p.kv_tokens}
 

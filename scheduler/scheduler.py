@@ -231,7 +231,7 @@ class Scheduler:
                          "reserved_prefill_s": t["reserved_prefill_s"], "active_requests": t["active_requests"],
                          "running": t["running"], "kv_tokens": t["kv_tokens"],
                          "cached_blocks": self.index.cached_blocks(iid)})
-        totals = dict(self.ledger.totals())
+        totals: dict[str, Any] = dict(self.ledger.totals())  # JSON for /debug: numbers and nested dicts
         totals.update(instances=len(self._instances), healthy=sum(self._healthy.values()),
                       index_blocks=self.index.blocks(), index_overflows=self.index.overflows,
                       decisions=dict(self.counts))
@@ -275,10 +275,10 @@ class Scheduler:
             self._cache_facts(ctx)
             self._terms(ctx)
             choice = self._choose(ctx)
-            verdict = self._admit(ctx, choice)
+            self._admit(ctx, choice)
         except _Refused as r:
             return self._refuse(facts, r.status, r.reason, r.message, now, commit, r.record, r.retry_after_s)
-        return self._commit(ctx, choice, verdict, commit)
+        return self._commit(ctx, choice, commit)
 
     # --- stage 0: the request is well formed and new -------------------------------------
     def _validate(self, facts: Any, now: float, commit: bool) -> None:
@@ -314,7 +314,8 @@ class Scheduler:
     # --- stage 2: cache facts (longest prefix per instance and in the store) ---------------
     def _cache_facts(self, ctx: DecisionContext) -> None:
         facts = ctx.facts
-        usable = min(len(facts.block_hashes), (facts.prompt_tokens - 1) // self.block_size)  # never the last token's block
+        # never the last prompt token's block (the engine recomputes that token for its logits)
+        usable = min(len(facts.block_hashes), (facts.prompt_tokens - 1) // self.block_size)
         try:
             ctx.match = self.index.match(facts.block_hashes, usable)
         except TypeError:
@@ -324,6 +325,7 @@ class Scheduler:
     # --- stage 3: every candidate's predicted terms ------------------------------------------
     def _terms(self, ctx: DecisionContext) -> None:
         pred, ledger, now, match = self.predictors, self.ledger, ctx.now, ctx.match
+        assert match is not None, "the cache-facts stage runs first"
         book = ctx.terms = TermBook(ctx.facts.prompt_tokens, self.block_size, ctx.store_blocks, pred)
         queue_time, group = pred.queue.queue_time, self._group
         dev, loc = match.device, match.local
@@ -354,7 +356,8 @@ class Scheduler:
         return _Choice(pc, d, "a 'both' instance decodes what it prefilled", {}, False, prefill_done_at)
 
     # --- stage 5: admission against the SLO ----------------------------------------------
-    def _admit(self, ctx: DecisionContext, ch: _Choice) -> admission.Verdict | None:
+    def _admit(self, ctx: DecisionContext, ch: _Choice) -> None:
+        """Fill in the pair's TTFT, SLO and record; a violated SLO refuses (raises ``_Refused``)."""
         facts, p, d, terms = ctx.facts, ch.prefill.candidate, ch.decode, ch.prefill.terms
         if d.id != p.id:  # a separate decode instance: the KV shipment, then its first step makes the token
             ch.kv_s = self.predictors.transfer.transfer_time(facts.prompt_tokens, p.id, d.id)
@@ -380,10 +383,9 @@ class Scheduler:
         if verdict is not None:
             raise _Refused(verdict.status, verdict.reason, verdict.message, record, verdict.retry_after_s)
         ch.record = record
-        return None
 
     # --- stage 6: reserve in the ledger and keep the explanation --------------------------
-    def _commit(self, ctx: DecisionContext, ch: _Choice, verdict: None, commit: bool) -> Placement:
+    def _commit(self, ctx: DecisionContext, ch: _Choice, commit: bool) -> Placement:
         facts, p, d, terms = ctx.facts, ch.prefill.candidate, ch.decode, ch.prefill.terms
         rid, now = facts.request_id, ctx.now
         now_state = self.ledger.decode_state(d.id, now) if self.early_rejection else d.state

@@ -1,6 +1,8 @@
 """Policies behind one interface: Algorithm 1 and the peer baselines, by name."""
 from __future__ import annotations
 
+from typing import Any
+
 from scheduler.policies.base import DecodeChoice, Policy, PrefillChoice
 from scheduler.policies.conductor import ConductorPolicy
 from scheduler.policies.dynamo import DynamoCostPolicy
@@ -14,7 +16,7 @@ POLICIES: dict[str, type[Policy]] = {p.name: p for p in (
     SGLangCacheAwarePolicy, DynamoCostPolicy, LMetricPolicy)}
 
 
-def make_policy(name: str, **params) -> Policy:
+def make_policy(name: str, **params: Any) -> Policy:
     """Build a policy by name; ValueError for an unknown name or parameter."""
     cls = POLICIES.get(name)
     if cls is None:

@@ -108,7 +108,8 @@ class Policy(ABC):
     def choose_decode(self, ctx: DecisionContext, prefill: PrefillCandidate) -> DecodeChoice:
         """The decode instance for a request whose prefill runs on ``prefill``."""
 
-    def placed(self, ctx: DecisionContext, prefill: str, decode: str, chose_decode: bool) -> None:
+    def placed(  # noqa: B027 (an optional hook: a stateless policy ignores placements)
+            self, ctx: DecisionContext, prefill: str, decode: str, chose_decode: bool) -> None:
         """A placement was made (not called for rejections). ``chose_decode`` is False when a
         ``both`` prefill instance decodes the request itself and ``choose_decode`` was not asked."""
 

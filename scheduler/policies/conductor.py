@@ -13,11 +13,11 @@ lowest predicted TBT once this request joins.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Hashable, Literal
 
+from predictors.types import Role, Tier
 from scheduler.cost import DecisionContext, PrefillCandidate, Terms
 from scheduler.policies.base import DecodeChoice, Policy, PrefillChoice, argmin, runner_up
-from predictors.types import Role, Tier
 
 
 @dataclass(frozen=True)
@@ -50,8 +50,10 @@ class ConductorPolicy(Policy):
         if holder not in (None, Tier.STORE) and not self.params.peer_pull:
             holder, best_blocks = (Tier.STORE, ctx.store_blocks) if ctx.store_blocks else (None, 0)
         book = ctx.terms
+        if book is None:
+            raise RuntimeError("choose_prefill before the terms stage")
         rows: dict[str, Terms] = {}
-        chosen: dict[tuple, Terms] = {}  # the way to serve depends only on (group, prefix facts)
+        chosen: dict[tuple[Hashable, int, int], Terms] = {}  # the way to serve depends only on (group, prefix facts)
         for c in ctx.prefill:
             key = (c.group, c.device_blocks, c.local_blocks)
             t = chosen.get(key)

@@ -20,10 +20,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Sequence, TypeVar
 
-from scheduler.cost import DecisionContext, PrefillCandidate
-from scheduler.policies.base import DecodeChoice, Policy, PrefillChoice, argmin, runner_up, softmax_pick
 from predictors.types import Role
+from scheduler.cost import DecisionContext, DecodeCandidate, PrefillCandidate
+from scheduler.policies.base import DecodeChoice, Policy, PrefillChoice, argmin, runner_up, softmax_pick
+
+#: A prefill or a decode candidate: the worker kind Dynamo's cost picks among.
+_C = TypeVar("_C", PrefillCandidate, DecodeCandidate)
 
 
 @dataclass(frozen=True)
@@ -61,18 +65,18 @@ class DynamoCostPolicy(Policy):
         return (p.prefill_load_scale * max(0.0, raw - credit) + decode_blocks
                 + p.decode_active_request_weight * c.active)
 
-    def _pick(self, items, costs, ctx):
+    def _pick(self, items: Sequence[_C], costs: Sequence[float], ctx: DecisionContext) -> _C:
         t = self.params.router_temperature
         if t > 0:
             return softmax_pick(items, costs, t, ctx.rng)
-        by_id = dict(zip((x.id for x in items), costs))
+        by_id = dict(zip((x.id for x in items), costs, strict=True))
         return argmin(items, key=lambda x: by_id[x.id], rng=ctx.rng)
 
     def choose_prefill(self, ctx: DecisionContext) -> PrefillChoice:
         kv = {d.id: d.state.kv_tokens for d in ctx.decode}
         costs = [self.prefill_cost(c, ctx, kv.get(c.id, 0)) for c in ctx.prefill]
         c = self._pick(ctx.prefill, costs, ctx)
-        scores = {x.id: v for x, v in zip(ctx.prefill, costs)}
+        scores = {x.id: v for x, v in zip(ctx.prefill, costs, strict=True)}
         return PrefillChoice(c, c.local, scores, f"lowest cost {scores[c.id]:.4g} blocks{runner_up(scores, c.id)}")
 
     def choose_decode(self, ctx: DecisionContext, prefill: PrefillCandidate) -> DecodeChoice:
@@ -80,5 +84,5 @@ class DynamoCostPolicy(Policy):
         new_blocks = math.ceil(ctx.prompt_tokens / bs)
         costs = [math.ceil(d.state.kv_tokens / bs) + new_blocks + w * d.state.running for d in ctx.decode]
         d = self._pick(ctx.decode, costs, ctx)
-        scores = {x.id: float(v) for x, v in zip(ctx.decode, costs)}
+        scores = {x.id: float(v) for x, v in zip(ctx.decode, costs, strict=True)}
         return DecodeChoice(d, scores, f"fewest potential decode blocks {scores[d.id]:.4g}{runner_up(scores, d.id)}")

@@ -9,6 +9,8 @@ engine's connector can load from it.
 """
 from __future__ import annotations
 
+from typing import Any
+
 from scheduler.cost import DecisionContext, PrefillCandidate
 from scheduler.policies.base import DecodeChoice, Policy, PrefillChoice
 
@@ -20,7 +22,7 @@ class PrefixOnlyPolicy(Policy):
     source = "Mooncake conductor example proxy (cache_aware_disagg_proxy.py): longest match, decode round robin"
     score_name = "matched_tokens (higher wins)"
 
-    def __init__(self, **params):
+    def __init__(self, **params: Any):
         super().__init__(**params)
         self._tie_offsets: dict[tuple[str, ...], int] = {}
         self._fallback = 0

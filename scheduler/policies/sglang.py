@@ -19,7 +19,7 @@ leaves periodically). ``match_source="index"`` swaps the history for the KV-even
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from scheduler.cost import DecisionContext, PrefillCandidate
 from scheduler.policies.base import DecodeChoice, Policy, PrefillChoice, argmin
@@ -77,7 +77,7 @@ class SGLangCacheAwarePolicy(Policy):
     Params = SGLangParams
     params: SGLangParams
 
-    def __init__(self, **params):
+    def __init__(self, **params: Any):
         super().__init__(**params)
         self.history = RoutingHistory(self.params.max_tree_blocks)
 

@@ -5,6 +5,8 @@ candidate's engine-default terms), so their predicted TTFT stays honest for comp
 """
 from __future__ import annotations
 
+from typing import Any
+
 from scheduler.cost import DecisionContext, PrefillCandidate
 from scheduler.policies.base import DecodeChoice, Policy, PrefillChoice, argmin
 
@@ -14,7 +16,7 @@ class RoundRobinPolicy(Policy):
     source = "the classic rotation (SGLang Model Gateway / vLLM router `round_robin`)"
     score_name = "turns_away"
 
-    def __init__(self, **params):
+    def __init__(self, **params: Any):
         super().__init__(**params)
         self._next_prefill = 0
         self._next_decode = 0
