@@ -114,7 +114,8 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
     async def validation_error(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
         param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        return error_response(400, f"invalid parameter {param}: {first.get('msg', 'invalid')}", "invalid_parameter", param)
+        return error_response(400, f"invalid parameter {param}: {first.get('msg', 'invalid')}", "invalid_parameter",
+                              param)
 
     return app
 

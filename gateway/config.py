@@ -10,6 +10,7 @@ from predictors.analytic import Prior
 from predictors.facts import load_deployment
 from predictors.telemetry import SLO
 from predictors.types import ROLES
+
 KINDS = ("vllm", "sim")
 TOKENIZERS = ("builtin", "engine", "hf")
 
@@ -111,7 +112,8 @@ def _prior(raw: Any) -> Prior:
         raise ConfigError("prior: expected a table of rules of thumb")
     unknown = set(raw) - set(Prior.field_names())
     if unknown:
-        raise ConfigError(f"prior: unknown key(s) {', '.join(sorted(unknown))}; known: {', '.join(Prior.field_names())}")
+        raise ConfigError(f"prior: unknown key(s) {', '.join(sorted(unknown))}; "
+                          f"known: {', '.join(Prior.field_names())}")
     try:
         return Prior(**raw)
     except (TypeError, ValueError) as e:

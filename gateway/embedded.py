@@ -58,7 +58,7 @@ class EmbeddedCluster:
     async def wait_ready(self, timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s
         async with aiohttp.ClientSession() as s:
-            for e, p in zip(self.engines, self.procs):
+            for e, p in zip(self.engines, self.procs, strict=True):
                 while True:
                     if p.poll() is not None:
                         raise RuntimeError(f"embedded engine {e.id} exited with code {p.returncode}")

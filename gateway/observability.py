@@ -28,7 +28,8 @@ class GatewayMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("conductor_requests", "Finished requests by outcome", ["status", "reason"], registry=r)
-        self.ttft = Histogram("conductor_time_to_first_token_seconds", "Gateway-measured TTFT", buckets=_TTFT_BUCKETS, registry=r)
+        self.ttft = Histogram("conductor_time_to_first_token_seconds", "Gateway-measured TTFT", buckets=_TTFT_BUCKETS,
+                              registry=r)
         self.itl = Histogram("conductor_inter_token_latency_seconds", "Gateway-measured gaps between token chunks",
                              buckets=_ITL_BUCKETS, registry=r)
         self.ttft_error = Histogram("conductor_ttft_prediction_error_seconds", "Predicted minus actual TTFT",
@@ -39,10 +40,12 @@ class GatewayMetrics:
         self.inst_healthy = Gauge("conductor_instance_healthy", "1 when routable", ["instance", "role"], registry=r)
         self.inst_prefill_tokens = Gauge("conductor_instance_reserved_prefill_tokens", "Queued prefill tokens (ledger)",
                                          ["instance"], registry=r)
-        self.inst_active = Gauge("conductor_instance_active_requests", "Requests reserved (ledger)", ["instance"], registry=r)
+        self.inst_active = Gauge("conductor_instance_active_requests", "Requests reserved (ledger)", ["instance"],
+                                 registry=r)
         self.inst_hit_tokens = Counter("conductor_instance_prefix_hit_tokens", "Prompt tokens served from cache",
                                        ["instance"], registry=r)
-        self.inst_prompt_tokens = Counter("conductor_instance_prompt_tokens", "Prompt tokens routed", ["instance"], registry=r)
+        self.inst_prompt_tokens = Counter("conductor_instance_prompt_tokens", "Prompt tokens routed", ["instance"],
+                                          registry=r)
 
     def observe(self, rec: RequestRecord) -> None:
         self.requests.labels(rec.status, rec.reject_reason or "").inc()
@@ -68,7 +71,8 @@ def make_tracer_provider(exporter: str, endpoint: str | None) -> TracerProvider 
     else:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint) if endpoint else OTLPSpanExporter()))
+        exporter = OTLPSpanExporter(endpoint=endpoint) if endpoint else OTLPSpanExporter()
+        provider.add_span_processor(BatchSpanProcessor(exporter))
     return provider
 
 
@@ -84,7 +88,8 @@ class RequestSpans:
 
     def __call__(self, rec: RequestRecord, endpoint: str) -> None:
         root = self.tracer.start_span("conductor.request", start_time=self._ns(rec.arrival_s),
-                                      attributes={"conductor.request_id": rec.request_id, "conductor.endpoint": endpoint})
+                                      attributes={"conductor.request_id": rec.request_id,
+                                                  "conductor.endpoint": endpoint})
         if rec.decided_s is not None:
             self._child(root, "decide", rec.arrival_s, rec.decided_s)
         if rec.prefill_instance is not None:

@@ -100,7 +100,8 @@ class Proxy:
             try:
                 req = parse_body(await self._read_body(request), endpoint, self.cfg.default_max_tokens)
                 if self.cluster.models and req.model not in self.cluster.models:
-                    raise RequestError(404, f"model {req.model!r} does not exist; served: {', '.join(self.cluster.models)}",
+                    served = ", ".join(self.cluster.models)
+                    raise RequestError(404, f"model {req.model!r} does not exist; served: {served}",
                                        "model_not_found", "model")
                 slo = slo_override(request.headers)
                 tokens = await self.tokenizer.tokens(req)
@@ -201,7 +202,8 @@ class Proxy:
                         continue
                 return self._upstream_failure(e, lc)
             rec = lc.record
-            headers = {"x-request-id": self._echo_id(rec), "x-conductor-prefill": d.prefill, "x-conductor-decode": d.decode,
+            headers = {"x-request-id": self._echo_id(rec), "x-conductor-prefill": d.prefill,
+                       "x-conductor-decode": d.decode,
                        "x-conductor-hit-tokens": str(d.hit_tokens)}
             if rec.cached_tokens is not None:  # what the prefill instance itself found in its cache
                 headers["x-conductor-prefill-cached-tokens"] = str(rec.cached_tokens)

@@ -109,11 +109,13 @@ class UpstreamStream(Response):
                 await send({"type": "http.response.body", "body": events, "more_body": True})
         except asyncio.TimeoutError:
             tally.error = "upstream timeout mid-stream"
-            await send({"type": "http.response.body", "body": sse_error(504, tally.error, "upstream_timeout"), "more_body": True})
+            await send({"type": "http.response.body", "body": sse_error(504, tally.error, "upstream_timeout"),
+                        "more_body": True})
             return
         except aiohttp.ClientError as e:
             tally.error = f"engine failed mid-stream: {e.__class__.__name__}"
-            await send({"type": "http.response.body", "body": sse_error(502, tally.error, "upstream_failed"), "more_body": True})
+            await send({"type": "http.response.body", "body": sse_error(502, tally.error, "upstream_failed"),
+                        "more_body": True})
             return
         if buf:  # an engine that ended without a final blank line
             tally.scan_events(buf, time.monotonic())

@@ -7,9 +7,9 @@ import asyncio
 import os
 from typing import Protocol
 
-from engines_adapters.tokenizer import ByteTokenizer
 from engines_adapters.drivers import UpstreamError, UpstreamHTTPError
 from engines_adapters.engine_client import EngineClient
+from engines_adapters.tokenizer import ByteTokenizer
 from gateway.errors import RequestError
 from gateway.requests import ParsedRequest, builtin_tokens
 
@@ -41,7 +41,8 @@ class EngineTokenizer:
             return await client.tokenize({"model": req.model, key: req.body[key]})
         except UpstreamHTTPError as e:
             if e.status < 500:
-                raise RequestError(400, f"engine could not tokenize the prompt: {e.body[:300].decode(errors='replace')}",
+                why = e.body[:300].decode(errors="replace")
+                raise RequestError(400, f"engine could not tokenize the prompt: {why}",
                                    "invalid_prompt") from None
             raise RequestError(502, str(e), "tokenize_failed") from None
         except UpstreamError as e:
