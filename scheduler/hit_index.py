@@ -77,10 +77,14 @@ class Match:
 class HitIndex:
     """Per-instance, per-tier prefix block index, fed by KV events; pure and synchronous."""
 
-    def __init__(self, block_size: int, max_blocks: int = DEFAULT_MAX_BLOCKS):
+    def __init__(self, block_size: int, max_blocks: int = DEFAULT_MAX_BLOCKS, trust_event_hashes: bool = False):
+        """``trust_event_hashes``: events name blocks by this index's own chained hash already (the
+        simulator's engines do), so their token ids need not be hashed again. Live engines name
+        blocks by their own recipe and seed: never set it for them."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
+        self.trust_event_hashes = trust_event_hashes
         self.default_max_blocks = max_blocks
         self._tiers: tuple[dict[int, int], dict[int, int], dict[int, int]] = ({}, {}, {})
         self._slot: dict[str, int] = {}
@@ -156,7 +160,10 @@ class HitIndex:
                 parent = emap.get(parent_block_hash)
                 if parent is None:
                     return False
-            ours = index_block_hashes(token_ids, block_size, parent=parent)
+            if self.trust_event_hashes:
+                ours = list(block_hashes)
+            else:
+                ours = index_block_hashes(token_ids, block_size, parent=parent)
         except (TypeError, ValueError, OverflowError):
             return False
         counts = self._counts[instance_id]

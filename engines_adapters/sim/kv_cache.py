@@ -145,6 +145,27 @@ class KVCache:
         self.free_plain += 1
         return b, False
 
+    def commit_many(self, hashes: list[int], out: list[Block]) -> list[int]:
+        """``commit`` for a run of filled blocks (a prefill chunk commits hundreds at once):
+        appends each block to ``out``; returns the offsets of the newly cached ones."""
+        cached, lru = self.cached, self.lru
+        new: list[int] = []
+        shared = 0
+        for i, h in enumerate(hashes):
+            b = cached.get(h)
+            if b is None:
+                b = cached[h] = Block(h)
+                b.ref = 1
+                new.append(i)
+            else:
+                if b.ref == 0:
+                    del lru[h]
+                b.ref += 1
+                shared += 1
+            out.append(b)
+        self.free_plain += shared
+        return new
+
     def release(self, blocks: list[Block], private: int) -> None:
         """Drop a sequence's references; tail blocks become the first eviction candidates."""
         lru = self.lru

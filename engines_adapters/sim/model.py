@@ -561,19 +561,12 @@ class EngineModel:
         kv = self.kv
         bs = self.block_size
         hashes = s.hashes
-        new: list[int] = []
-        for bi in range(len(s.blocks), upto):
-            if bi < len(hashes):
-                h = hashes[bi]
-            else:  # an output block: extend the chain
-                h = block_hashes(self._tokens(s, bi * bs, (bi + 1) * bs), bs, hashes[bi - 1] if bi else None)[0]
-                hashes.append(h)
-            b, is_new = kv.commit(h)
-            s.blocks.append(b)
-            if is_new and kv.events is not None:
-                new.append(bi)
-        if new:
-            self._stored(s, new)
+        first = len(s.blocks)
+        for bi in range(max(first, len(hashes)), upto):  # output blocks: extend the chain
+            hashes.append(block_hashes(self._tokens(s, bi * bs, (bi + 1) * bs), bs, hashes[bi - 1] if bi else None)[0])
+        new = kv.commit_many(hashes[first:upto], s.blocks)
+        if new and kv.events is not None:
+            self._stored(s, [first + i for i in new])
 
     def _stored(self, s: _Seq, idxs: list[int]) -> None:
         """BlockStored events (vLLM sha256 ids) for newly cached blocks, one per contiguous run."""

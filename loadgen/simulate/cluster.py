@@ -24,6 +24,7 @@ from predictors.base import Predictors
 from predictors.telemetry import SLO, RequestRecord
 from predictors.types import Role
 from scheduler import Instance, Rejection, RequestFacts, Scheduler
+from scheduler.hit_index import HitIndex
 from scheduler.lifecycle import Phase, RequestLifecycle
 
 from .instance import SimInstance
@@ -91,7 +92,8 @@ class SimCluster:
             params.setdefault("peer_pull", False)
         self.scheduler = Scheduler(members, policy=sched.policy, slo=sched.slo, block_size=spec.block_size,
                                    clock=loop.clock, early_rejection=sched.early_rejection, seed=sched.seed,
-                                   keep_decisions=0, predictors=predictors(members) if predictors else None, **params)
+                                   keep_decisions=0, predictors=predictors(members) if predictors else None,
+                                   index=HitIndex(spec.block_size, trust_event_hashes=True), **params)
         for iid, inst in self.instances.items():  # what the gateway reads from each engine's /metrics at start
             self.scheduler.set_capacity(iid, kv_capacity_tokens=inst.model.kv.capacity * spec.block_size)
         self.on_done = on_done

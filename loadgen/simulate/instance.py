@@ -62,5 +62,5 @@ class SimInstance:
     def _end(self, res: StepResult) -> None:
         self.busy = False
         self.on_step(self, res)
-        if self.model.has_work() or self.model.next_timer() is not None:
-            self.kick()
+        if not self._scheduled and (self.model.has_work() or self.model.next_timer() is not None):
+            self._start()  # the next step starts where this one ended, as the live driver's loop does
