@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Hashable
 
 from predictors.base import DecodeState, Predictors, PrefillState
+from predictors.telemetry import SLO
 from predictors.types import Tier
 from scheduler.types import Instance, RequestFacts
 
@@ -65,6 +66,12 @@ class DecodeCandidate:
     role: str
     state: DecodeState
     tbt_s: float
+    kv_wait_s: float = 0.0  # from now until it has room for this request's KV (0: room now)
+
+    def first_token_s(self, ready_s: float, ship_s: float) -> float:
+        """From now to this request's first token here, when its KV is ready to ship at ``ready_s``
+        (from now) and takes ``ship_s``: wait for room, ship, one decode step."""
+        return max(ready_s, self.kv_wait_s) + ship_s + self.tbt_s
 
 
 class TermBook:
@@ -133,6 +140,8 @@ class DecisionContext:
     terms: TermBook | None = None  # set by the terms stage, before any policy runs
     holder: str | None = None  # best holder: the longest prefix any candidate (or the store) can give
     holder_blocks: int = 0
+    slo: SLO = field(default_factory=SLO)  # the request's SLO (configured, tightened by the request)
+    prefill_ready_s: float = 0.0  # from now until the chosen prefill is done (set after the prefill choice)
 
     @property
     def prompt_tokens(self) -> int:

@@ -30,6 +30,7 @@ class Reservation:
     decode_start_s: float  # predicted (made actual by prefill_done)
     decode_end_s: float  # predicted
     prefill_pending: bool = True
+    output_tokens: int = 0  # of kv_tokens, the output (max_tokens): held only as it is generated
 
 
 @dataclass(slots=True)
@@ -219,6 +220,35 @@ class Ledger:
             running += max(0, o.running - d.running)
             kv += max(0, int(o.kv_usage * d.kv_capacity_tokens) - d.kv_tokens)
         return DecodeState(instance_id, running, kv)
+
+    def decode_kv_wait(self, instance_id: str, need_tokens: int, t0: float, now: float) -> float:
+        """Seconds from ``now`` until the decode instance has room for ``need_tokens`` more KV
+        tokens, no earlier than ``t0`` (when this request's KV would be ready to ship).
+
+        An engine admits a request only when its prompt's blocks fit (vLLM); until then the
+        request waits there, after its prefill, before its first token. KV in use at time t is
+        each reservation's prompt plus the output generated so far (linear over its predicted
+        decode span) for those whose decode has started by t; room appears as they finish.
+        0 when it fits at ``t0``, or when the capacity is unknown.
+        """
+        d = self._loads.get(instance_id)
+        if d is None or d.kv_capacity_tokens <= 0:
+            return 0.0
+        cap = d.kv_capacity_tokens
+        if d.kv_tokens + need_tokens <= cap:  # fits even if everyone held their whole output: the usual case
+            return 0.0
+        ends = sorted({t0, *(r.decode_end_s for r in d.decoding.values() if r.decode_end_s > t0)})
+        for t in ends:
+            used = 0.0
+            for r in d.decoding.values():
+                if r.decode_start_s > t or (r.decode_end_s <= t and r.decode_end_s > now):
+                    continue  # not there yet, or finished by t (one overdue is assumed to hold on)
+                span = r.decode_end_s - r.decode_start_s
+                done = 1.0 if span <= 0 else min(1.0, max(0.0, (t - r.decode_start_s) / span))
+                used += r.kv_tokens - r.output_tokens * (1.0 - done)
+            if used + need_tokens <= cap:
+                return max(0.0, t - now)
+        return max(0.0, ends[-1] - now)
 
     def decode_departures(self, instance_id: str) -> list[Reservation]:
         """Reservations decoding on an instance, soonest predicted end first (for retry-after)."""

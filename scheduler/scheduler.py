@@ -271,6 +271,7 @@ class Scheduler:
         try:
             self._validate(facts, now, commit)
             ctx = DecisionContext(facts, now, self.block_size, self.predictors, self._rng_for(facts.request_id))
+            ctx.slo = admission.resolve_slo(self.slo, facts.slo)
             self._eligible(ctx, exclude)
             self._cache_facts(ctx)
             self._terms(ctx)
@@ -343,9 +344,11 @@ class Scheduler:
     def _choose(self, ctx: DecisionContext) -> _Choice:
         pc = self.policy.choose_prefill(ctx)
         p, terms = pc.candidate, pc.terms
-        prefill_done_at = ctx.now + p.ttft(terms)
+        ctx.prefill_ready_s = p.ttft(terms)
+        prefill_done_at = ctx.now + ctx.prefill_ready_s
         if self.early_rejection:  # decode load predicted when this prefill finishes (Mooncake §7.4)
             ctx.decode = self._decode_candidates(ctx.decode_pool, ctx.facts, ctx.now, prefill_done_at)
+        self._kv_waits(ctx, prefill_done_at)
         if p.role != Role.BOTH:
             dc = self.policy.choose_decode(ctx, p)
             return _Choice(pc, dc.candidate, dc.why, dc.scores, True, prefill_done_at)
@@ -355,15 +358,26 @@ class Scheduler:
                                         prefill_done_at if self.early_rejection else None)[0]
         return _Choice(pc, d, "a 'both' instance decodes what it prefilled", {}, False, prefill_done_at)
 
+    def _kv_waits(self, ctx: DecisionContext, ready_at: float) -> None:
+        """Each decode candidate's wait for room for this request's KV (prompt + a block), from
+        when the prefill would be done (a colocated instance prefills into its own memory)."""
+        need = ctx.facts.prompt_tokens + self.block_size
+        wait = self.ledger.decode_kv_wait
+        for d in ctx.decode:
+            if d.role != Role.BOTH:
+                d.kv_wait_s = wait(d.id, need, ready_at, ctx.now)
+
     # --- stage 5: admission against the SLO ----------------------------------------------
     def _admit(self, ctx: DecisionContext, ch: _Choice) -> None:
         """Fill in the pair's TTFT, SLO and record; a violated SLO refuses (raises ``_Refused``)."""
         facts, p, d, terms = ctx.facts, ch.prefill.candidate, ch.decode, ch.prefill.terms
-        if d.id != p.id:  # a separate decode instance: the KV shipment, then its first step makes the token
+        ready = ctx.prefill_ready_s
+        if d.id != p.id:  # a separate decode instance: room for the KV, the shipment, then its first step
             ch.kv_s = self.predictors.transfer.transfer_time(facts.prompt_tokens, p.id, d.id)
             ch.first_step_s = d.tbt_s
-        ch.ttft = terms.transfer_s + p.queue_s + terms.prefill_s + ch.kv_s + ch.first_step_s
-        slo = ch.slo = admission.resolve_slo(self.slo, facts.slo)
+            ch.decode_wait_s = max(0.0, d.kv_wait_s - ready)
+        ch.ttft = ready + ch.decode_wait_s + ch.kv_s + ch.first_step_s
+        slo = ch.slo = ctx.slo
         floor = None  # the best TTFT any candidate could give once its queue drains
         if slo.ttft_s is not None and ch.ttft > slo.ttft_s:
             rows = ch.prefill.rows or {}
@@ -396,7 +410,7 @@ class Scheduler:
             transfer_s=terms.transfer_s, ttft_s=ch.ttft, tbt_s=d.tbt_s, queue_tokens=p.state.queued_tokens,
             queue_requests=p.state.queued_requests, decode_running=now_state.running,
             decode_kv_tokens=now_state.kv_tokens, explanation=ch.record, kv_transfer_s=ch.kv_s,
-            decode_first_step_s=ch.first_step_s,
+            decode_first_step_s=ch.first_step_s, decode_wait_s=ch.decode_wait_s,
             policy=self.policy_name)
         if commit:
             decode_start = now + ch.ttft
@@ -404,7 +418,8 @@ class Scheduler:
             self.policy.placed(ctx, p.id, d.id, ch.chose_decode)  # first: if it raises, nothing is held
             self.ledger.reserve(Reservation(rid, p.id, d.id, facts.prompt_tokens - terms.hit_tokens, terms.prefill_s,
                                             need, now, decode_start,
-                                            decode_start + max(1, facts.max_tokens) * d.tbt_s), now)
+                                            decode_start + max(1, facts.max_tokens) * d.tbt_s,
+                                            output_tokens=max(1, facts.max_tokens)), now)
             self.counts["placed"] += 1
             self.decisions.append(ch.record)
         return placement
@@ -448,7 +463,8 @@ class Scheduler:
             "terms": {"hit_tokens": terms.hit_tokens, "local_hit_tokens": terms.local_hit_tokens,
                       "transfer_tokens": terms.transfer_tokens, "transfer_from": terms.transfer_from,
                       "transfer_s": terms.transfer_s, "queue_s": pc.candidate.queue_s, "prefill_s": terms.prefill_s,
-                      "kv_transfer_s": ch.kv_s, "decode_first_step_s": ch.first_step_s, "ttft_s": ch.ttft,
+                      "decode_wait_s": ch.decode_wait_s, "kv_transfer_s": ch.kv_s,
+                      "decode_first_step_s": ch.first_step_s, "ttft_s": ch.ttft,
                       "tbt_s": d.tbt_s},
             "why": {"prefill": pc.why, "decode": ch.decode_why, **({"extra": pc.extra} if pc.extra else {})},
             "replication": replication,
@@ -480,6 +496,7 @@ class _Choice:
     prefill_done_at: float
     kv_s: float = 0.0
     first_step_s: float = 0.0
+    decode_wait_s: float = 0.0
     ttft: float = 0.0
     slo: SLO = field(default_factory=SLO)
     violations: list[admission.Verdict] = field(default_factory=list)

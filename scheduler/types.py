@@ -69,10 +69,11 @@ class RequestFacts:
 class Placement:
     """A (prefill, decode) pair with every predicted term; the ledger holds a reservation for it.
 
-    ``ttft_s = transfer_s + queue_s + prefill_s + kv_transfer_s + decode_first_step_s``: pulling
-    the prefix onto the prefill instance (remote holder, store or its own host memory), waiting
-    for its queue, prefilling the uncached tokens, then, on a separate decode instance, shipping
-    the prompt's KV and running the decode step that makes the client's first token.
+    ``ttft_s = transfer_s + queue_s + prefill_s + decode_wait_s + kv_transfer_s + decode_first_step_s``:
+    pulling the prefix onto the prefill instance (remote holder, store or its own host memory),
+    waiting for its queue, prefilling the uncached tokens, then, on a separate decode instance,
+    waiting for room for the KV, shipping it and running the decode step that makes the client's
+    first token.
     """
 
     request_id: str
@@ -94,6 +95,7 @@ class Placement:
     explanation: dict[str, Any] = field(default_factory=dict)
     kv_transfer_s: float = 0.0  # prefill -> decode KV shipment (0 on a "both" instance)
     decode_first_step_s: float = 0.0  # the decode instance's step making the first token (0 on "both")
+    decode_wait_s: float = 0.0  # after the prefill, waiting for room for the KV on the decode instance
     policy: str = ""
 
 

@@ -181,3 +181,20 @@ def test_observe_rejects_impossible_numbers_without_raising():
     assert not led.observe("d0", float("inf"), 0, 0.5, now=0.0)
     assert not led.observe("d0", 1, float("nan"), 0.5, now=0.0)
     assert led.observe("d0", 3, 1, 0.5, now=0.0)
+
+
+def test_decode_kv_wait_is_the_first_departure_that_makes_room():
+    led = Ledger()
+    led.add_instance("d", kv_capacity_tokens=10_000)
+    assert led.decode_kv_wait("d", 4000, 0.0, 0.0) == 0.0  # empty: room now
+    # two decodes holding 4000-token prompts and 1000 output tokens each, ending at 10 s and 20 s
+    led.reserve(Reservation("a", "p", "d", 0, 0.0, 5000, 0.0, 0.0, 10.0, output_tokens=1000), 0.0)
+    led.reserve(Reservation("b", "p", "d", 0, 0.0, 5000, 0.0, 0.0, 20.0, output_tokens=1000), 0.0)
+    assert led.decode_kv_wait("d", 1500, 0.0, 0.0) == 0.0  # 8000 in use at t=0 (outputs not yet generated)
+    assert led.decode_kv_wait("d", 4000, 0.0, 0.0) == pytest.approx(10.0)  # room when "a" ends
+    assert led.decode_kv_wait("d", 4000, 12.0, 0.0) == pytest.approx(12.0)  # not before the KV is ready
+    assert led.decode_kv_wait("d", 9000, 0.0, 0.0) == pytest.approx(20.0)  # needs both gone
+    led.release("a", 1.0)
+    assert led.decode_kv_wait("d", 4000, 0.0, 1.0) == 0.0
+    led.add_instance("unknown-capacity")
+    assert led.decode_kv_wait("unknown-capacity", 10**9, 0.0, 0.0) == 0.0

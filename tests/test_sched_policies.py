@@ -164,6 +164,32 @@ def test_conductor_decodes_where_tbt_is_lowest():
     assert d.decode == "d1" and rows["d0"]["tbt_s"] > rows["d1"]["tbt_s"] == d.tbt_s
 
 
+def test_conductor_decodes_where_the_kv_fits_not_where_tbt_alone_is_lowest():
+    """d0 has the lower TBT but no room for the prompt's KV until its one long decode ends: the
+    request would wait there after its prefill. Conductor sends it to d1; the TTFT predicted on
+    d0 includes that wait, whichever policy chose it."""
+    def loaded(policy):
+        insts = [Instance("p0", "prefill"), Instance("d0", "decode", kv_capacity_tokens=20_000),
+                 Instance("d1", "decode", kv_capacity_tokens=400_000)]
+        clock = Clock(100.0)
+        sched = Scheduler(insts, policy=policy, clock=clock, block_size=BS)
+        now = clock()
+        sched.ledger.reserve(Reservation("long", "p0", "d0", 0, 0.0, 18_000, now, now, now + 60, output_tokens=10),
+                             now)
+        for k in range(40):  # d1 is busier (higher TBT) but has room
+            sched.ledger.reserve(Reservation(f"x{k}", "p0", "d1", 0, 0.0, 2_000, now, now, now + 60, output_tokens=10),
+                                 now)
+        return sched
+
+    d = loaded("conductor").decide(facts("r", toks(6, 8000)))
+    rows = {r["id"]: r for r in candidates(d.explanation, "decode")}
+    assert d.decode == "d1" and rows["d0"]["tbt_s"] < rows["d1"]["tbt_s"]
+    assert rows["d0"]["score"] > 50 > rows["d1"]["score"]  # predicted first token on d0: after the long decode
+    assert d.decode_wait_s == 0.0 and d.ttft_s < 5
+    w = loaded("least_loaded").evaluate(facts("r", toks(6, 8000)))  # fewest running: d0, and it waits
+    assert w.decode == "d0" and w.decode_wait_s > 50 and w.ttft_s > 50
+
+
 # --- cache-blind baselines ---------------------------------------------------------------
 
 def test_round_robin_rotates_and_skips_unhealthy_instances():

@@ -93,8 +93,17 @@ class ConductorPolicy(Policy):
         return {c.id: ship(ctx.prompt_tokens, c.id, ref) for c in ctx.prefill if c.role == Role.PREFILL}
 
     def choose_decode(self, ctx: DecisionContext, prefill: PrefillCandidate) -> DecodeChoice:
-        scores = {d.id: d.tbt_s for d in ctx.decode}
-        winner = argmin(ctx.decode, key=lambda d: (d.tbt_s, d.state.running), rng=ctx.rng)
-        return DecodeChoice(winner, scores, f"lowest predicted TBT {winner.tbt_s:.4g}s with this request"
-                                            f"{runner_up(scores, winner.id)}")
-
+        """The decode instance that gives the earliest first token (room for the KV, shipment,
+        first step) among those meeting the TBT SLO with this request added; lowest TBT when none
+        does. Balancing TBT alone sends requests to instances whose KV is full, where they wait
+        after their prefill for others to finish."""
+        ship = ctx.predictors.transfer.transfer_time
+        first = {d.id: d.first_token_s(ctx.prefill_ready_s, ship(ctx.prompt_tokens, prefill.id, d.id))
+                 for d in ctx.decode}
+        tbt_slo = ctx.slo.tbt_s
+        ok = [d for d in ctx.decode if tbt_slo is None or d.tbt_s <= tbt_slo] or ctx.decode
+        winner = argmin(ok, key=lambda d: (first[d.id], d.tbt_s, d.state.running), rng=ctx.rng)
+        why = f"earliest first token {first[winner.id]:.4g}s (TBT {winner.tbt_s:.4g}s)"
+        if winner.kv_wait_s > ctx.prefill_ready_s:
+            why += f", after waiting {winner.kv_wait_s - ctx.prefill_ready_s:.3g}s for KV room"
+        return DecodeChoice(winner, first, why + runner_up(first, winner.id))
