@@ -370,7 +370,7 @@ class Scheduler:
     # --- stage 5: admission against the SLO ----------------------------------------------
     def _admit(self, ctx: DecisionContext, ch: _Choice) -> None:
         """Fill in the pair's TTFT, SLO and record; a violated SLO refuses (raises ``_Refused``)."""
-        facts, p, d, terms = ctx.facts, ch.prefill.candidate, ch.decode, ch.prefill.terms
+        facts, p, d = ctx.facts, ch.prefill.candidate, ch.decode
         ready = ctx.prefill_ready_s
         if d.id != p.id:  # a separate decode instance: room for the KV, the shipment, then its first step
             ch.kv_s = self.predictors.transfer.transfer_time(facts.prompt_tokens, p.id, d.id)
