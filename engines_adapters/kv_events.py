@@ -1,4 +1,4 @@
-"""KV cache event subscriber (vLLM 0.33 / SGLang ZMQ wire format, PROTOCOLS.md §3).
+"""KV cache event subscriber (vLLM 0.33 / SGLang ZMQ wire format: docs/protocols.md §2).
 
 The payload decoder is the engine flavour's (``engines_adapters.drivers.kv_event_decoder``): it
 turns the family's own event encoding into the normalised vLLM event classes the index is fed with.
