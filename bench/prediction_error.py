@@ -48,8 +48,7 @@ PROMPTS = (256, 1024, 4096, 8192, 16384, 32768)
 CACHED = (0.0, 0.5, 0.9)
 BATCHES = (1, 8, 32, 128)
 CONTEXTS = (1024, 4096)
-TRACES = (ROOT / "data/traces/mooncake_conversation_trace.jsonl",
-          ROOT.parent / "shared/traces/mooncake_conversation_trace.jsonl")
+TRACES = (ROOT / "data/traces/mooncake_conversation_trace.jsonl",)
 
 
 def sim_prior(p: Profile) -> Prior:
@@ -239,7 +238,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--points", action="store_true", help="print every grid point of (a)")
     ap.add_argument("--skip-e2e", action="store_true", help="only (a)")
-    ap.add_argument("--trace", type=Path, help="Mooncake trace (default: data/traces/, else ../shared/traces/)")
+    ap.add_argument("--trace", type=Path, help="Mooncake trace (default: the one in data/traces/)")
     ap.add_argument("--limit", type=int, default=150)
     ap.add_argument("--speedup", type=float, default=2.0)
     ap.add_argument("--profile", default="llama3-8b-h200", help="the embedded sim engines' profile for (b)")

@@ -1,4 +1,4 @@
-"""KV cache event subscriber (vLLM 0.33 / SGLang ZMQ wire format, PROTOCOLS.md §3).
+"""KV cache event subscriber (vLLM 0.33 / SGLang ZMQ wire format: docs/protocols.md §2).
 
 The payload decoder is the engine flavour's (``engines_adapters.drivers.kv_event_decoder``): it
 turns the family's own event encoding into the normalised vLLM event classes the index is fed with.
@@ -193,10 +193,14 @@ class KVEventSubscriber:
         addr = self.replay_endpoint
         dealer.connect(subscriber_address(addr, self.engine_url) if publisher_binds(addr) else addr)
         out: list[tuple[int, bytes]] = []
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for drops a cancellation that arrives
+        # as the answer does, and this task then outlives the gateway's shutdown (issue 8, step 4)
         try:
-            await asyncio.wait_for(dealer.send_multipart([b"", struct.pack(">Q", start)]), self.replay_timeout_s)
+            async with asyncio.timeout(self.replay_timeout_s):
+                await dealer.send_multipart([b"", struct.pack(">Q", start)])
             for _ in range(1_000_000):  # bounded: an engine buffers far fewer batches
-                frames = await asyncio.wait_for(dealer.recv_multipart(), self.replay_timeout_s)
+                async with asyncio.timeout(self.replay_timeout_s):
+                    frames = await dealer.recv_multipart()
                 if len(frames) != 4 or len(frames[2]) != 8:
                     self.stats.ignored += 1
                     continue

@@ -92,8 +92,11 @@ class Cluster:
 
     async def stop(self) -> None:
         tasks = self._tasks + list(self._sub_tasks.values())
-        for t in tasks:
-            t.cancel()
+        pending = set(tasks)
+        while pending:  # cancel again until done: a cancellation can be lost (asyncio.wait_for on 3.11)
+            for t in pending:
+                t.cancel()
+            _, pending = await asyncio.wait(pending, timeout=1.0)
         await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks.clear()
         self._sub_tasks.clear()

@@ -9,7 +9,7 @@
 A colocated ("both") instance gets the client's body as is: one leg. There is nothing to abort on
 the prefill side when the decode leg fails: the prefill has finished, and vLLM frees KV blocks held
 for a remote decode that never comes after its own timeout.
-Wire details: ../shared/docs/PROTOCOLS.md §4-5.
+Wire details: docs/protocols.md §1 (metrics: §3).
 """
 from __future__ import annotations
 
