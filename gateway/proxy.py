@@ -89,7 +89,8 @@ class Proxy:
         self._live: set[str] = set()  # request ids between arrival and finish
         ledger = self.sched.ledger
         metrics.inflight.set_function(lambda: len(ledger))  # requests holding a reservation, read at scrape
-        self._observers = (self._forget, metrics.observe, telemetry.write)
+        # the predictors hear every finished request too (online correction, learned models)
+        self._observers = (self._forget, metrics.observe, telemetry.write, self.sched.predictors.observe)
         self._spans = None if isinstance(tracer, trace.NoOpTracer) else RequestSpans(
             tracer, time.time_ns() - time.monotonic_ns())
 

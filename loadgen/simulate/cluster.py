@@ -108,7 +108,8 @@ class SimCluster:
         rec = RequestRecord(rid, arrival_s=now, prompt_tokens=len(tokens), max_tokens=max_tokens, sent_s=now)
         if extra:
             rec.extra.update(extra)
-        lc = RequestLifecycle(self.scheduler, rec, self.loop.clock, observers=(self._finished,))
+        lc = RequestLifecycle(self.scheduler, rec, self.loop.clock,
+                              observers=(self._finished, self.scheduler.predictors.observe))
         facts = RequestFacts(rid, len(tokens), self._hashes(tokens), max_tokens)
         d = lc.decide(facts)
         if isinstance(d, Rejection):
