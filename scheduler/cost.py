@@ -142,6 +142,8 @@ class DecisionContext:
     holder_blocks: int = 0
     slo: SLO = field(default_factory=SLO)  # the request's SLO (configured, tightened by the request)
     prefill_ready_s: float = 0.0  # from now until the chosen prefill is done (set after the prefill choice)
+    usable_blocks: int = 0  # complete prompt blocks an engine can reuse (all but the last token's)
+    pending: dict[str, int] = field(default_factory=dict)  # in-flight prefix per prefill instance (blocks)
 
     @property
     def prompt_tokens(self) -> int:

@@ -28,6 +28,7 @@ from scheduler import admission
 from scheduler.cost import DecisionContext, DecodeCandidate, PrefillCandidate, TermBook, best_holder
 from scheduler.explain import DECODE_COLUMNS, PREFILL_COLUMNS, bare_record, decode_row, prefill_row, table
 from scheduler.hit_index import HitIndex
+from scheduler.inflight import InflightPrefixes
 from scheduler.ledger import Ledger, Reservation
 from scheduler.policies import POLICIES, PrefillChoice, make_policy
 from scheduler.state import LoadLedger, PrefixIndex
@@ -70,6 +71,7 @@ class Scheduler:
         self.early_rejection = early_rejection
         self.index: PrefixIndex = index if index is not None else HitIndex(block_size)
         self.ledger: LoadLedger = ledger if ledger is not None else Ledger()
+        self.inflight = InflightPrefixes()
         # analytic predictors over the instances' public deployments unless some are injected
         self.predictors = predictors if predictors is not None else analytic_predictors()
         self.decisions: deque[dict[str, Any]] = deque(maxlen=max(0, keep_decisions))
@@ -211,12 +213,15 @@ class Scheduler:
         """Prefill finished: its queued work leaves the prefill instance. Idempotent."""
         if not isinstance(request_id, str):
             return False
-        return self.ledger.prefill_done(request_id, self.clock())
+        now = self.clock()
+        self.inflight.prefill_done(request_id, now)
+        return self.ledger.prefill_done(request_id, now)
 
     def release(self, request_id: str) -> bool:
         """Return everything the reservation holds; True the first time only."""
         if not isinstance(request_id, str):
             return False
+        self.inflight.drop(request_id)
         return self.ledger.release(request_id, self.clock())
 
     # --- reporting ----------------------------------------------------------------------
@@ -322,6 +327,9 @@ class Scheduler:
         except TypeError:
             raise _Refused(BAD_REQUEST, "bad_block_hashes", "block hashes must be integers") from None
         ctx.store_blocks = ctx.match.store
+        ctx.usable_blocks = usable
+        self.inflight.expire(ctx.now)
+        ctx.pending = self.inflight.match(facts.block_hashes, usable)
 
     # --- stage 3: every candidate's predicted terms ------------------------------------------
     def _terms(self, ctx: DecisionContext) -> None:
@@ -420,6 +428,7 @@ class Scheduler:
                                             need, now, decode_start,
                                             decode_start + max(1, facts.max_tokens) * d.tbt_s,
                                             output_tokens=max(1, facts.max_tokens)), now)
+            self.inflight.add(rid, p.id, facts.block_hashes[:ctx.usable_blocks])
             self.counts["placed"] += 1
             self.decisions.append(ch.record)
         return placement

@@ -12,8 +12,8 @@ lowest predicted TBT once this request joins.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Hashable, Literal
+from dataclasses import dataclass, replace
+from typing import Any, Hashable, Literal
 
 from predictors.types import Role, Tier
 from scheduler.cost import DecisionContext, PrefillCandidate, Terms
@@ -27,10 +27,19 @@ class ConductorParams:
     # False: only the shared store is a source to pull from (engines that cannot fetch a prefix
     # from another prefill instance, e.g. vLLM's two-step PD without a shared KV store)
     peer_pull: bool = True
+    # > 0 departs from Algorithm 1: minimise TTFT + work_weight x the work this request adds to the
+    # instance (its transfer + prefill there). Greedy TTFT recomputes a cached prefix elsewhere to
+    # skip a queue, spending capacity every later request waits for; the work term charges that.
+    work_weight: float = 0.0
+    # True departs from Algorithm 1 (which reads only the KV-event hit map): a prefix placed on an
+    # instance and not yet announced counts as held there (scheduler/inflight.py)
+    inflight: bool = False
 
     def __post_init__(self) -> None:
         if not self.balancing_threshold > 0:
             raise ValueError("balancing_threshold must be > 0")
+        if self.work_weight < 0:
+            raise ValueError("work_weight must be >= 0")
 
 
 class ConductorPolicy(Policy):
@@ -54,7 +63,11 @@ class ConductorPolicy(Policy):
             raise RuntimeError("choose_prefill before the terms stage")
         rows: dict[str, Terms] = {}
         chosen: dict[tuple[Hashable, int, int], Terms] = {}  # the way to serve depends only on (group, prefix facts)
+        pending = ctx.pending if self.params.inflight else {}
         for c in ctx.prefill:
+            if pending.get(c.id, 0) > c.local_blocks:  # queued behind the request bringing the prefix
+                c = replace(c, device_blocks=pending[c.id], local_blocks=pending[c.id])
+                c.local = book.local(c)
             key = (c.group, c.device_blocks, c.local_blocks)
             t = chosen.get(key)
             if t is None:
@@ -68,14 +81,17 @@ class ConductorPolicy(Policy):
                 chosen[key] = t
             rows[c.id] = t
         kv_est = self._kv_shipment_estimates(ctx)
-        scores = {c.id: c.ttft(rows[c.id]) + kv_est.get(c.id, 0.0) for c in ctx.prefill}
+        w = self.params.work_weight
+        scores = {c.id: c.ttft(rows[c.id]) + kv_est.get(c.id, 0.0) + w * rows[c.id].cache_s for c in ctx.prefill}
         winner = argmin(ctx.prefill, key=lambda c: (scores[c.id], c.state.queued_tokens), rng=ctx.rng)
         t = rows[winner.id]
         why = f"lowest predicted TTFT {scores[winner.id]:.4g}s{runner_up(scores, winner.id)}"
         if t.transfer_from is not None and t.transfer_tokens:
             why += f"; pulls {t.transfer_tokens} tokens from {t.transfer_from} (replicates the prefix)"
-        extra = {"best_holder": holder, "best_hit_tokens": best_blocks * ctx.block_size,
+        extra: dict[str, Any] = {"best_holder": holder, "best_hit_tokens": best_blocks * ctx.block_size,
                  "pull_rule": self.params.pull_rule, "peer_pull": self.params.peer_pull}
+        if pending:
+            extra["inflight_hit_tokens"] = {k: v * ctx.block_size for k, v in pending.items()}
         return PrefillChoice(winner, t, scores, why, rows, extra)
 
     @staticmethod
