@@ -34,6 +34,7 @@ def build_scheduler(cfg: GatewayConfig, engines: list[EngineConfig]) -> Schedule
                           max_model_len=e.max_model_len) for e in engines]
     return Scheduler(instances, policy=cfg.policy, slo=cfg.slo, block_size=cfg.block_size, clock=time.monotonic,
                      predictors=analytic_predictors(prior=cfg.prior), early_rejection=cfg.early_rejection,
+                     admission=cfg.admission,
                      keep_decisions=cfg.keep_decisions, **params)
 
 

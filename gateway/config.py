@@ -65,6 +65,8 @@ class GatewayConfig:
     otel_exporter: str = "none"  # none | console | otlp
     otel_endpoint: str | None = None
     early_rejection: bool = False
+    # false: never answer 429 for a predicted SLO miss (how the peer routers ship; for A/B runs)
+    admission: bool = True
     # vLLM's two-step PD (and the sim engine) cannot fetch a prefix from another prefill instance:
     # only the shared store is a pull source unless the engines can (conductor policy only)
     peer_kv_pull: bool = False

@@ -58,6 +58,7 @@ class Scheduler:
     def __init__(self, instances: Iterable[Instance], *, policy: str = "conductor", slo: SLO = SLO(),
                  block_size: int = 16, clock: Callable[[], float] = time.monotonic,
                  predictors: Predictors | None = None, seed: int = 0, early_rejection: bool = False,
+                 admission: bool = True,
                  keep_decisions: int = 1000, index: PrefixIndex | None = None, ledger: LoadLedger | None = None,
                  **policy_params: Any):
         if block_size <= 0:
@@ -69,6 +70,8 @@ class Scheduler:
         self.clock = clock
         self.seed = seed
         self.early_rejection = early_rejection
+        # False: never refuse over the SLO (verdicts still recorded) -- how the peer routers ship
+        self.admission = admission
         self.index: PrefixIndex = index if index is not None else HitIndex(block_size)
         self.ledger: LoadLedger = ledger if ledger is not None else Ledger()
         self.inflight = InflightPrefixes()
@@ -402,7 +405,7 @@ class Scheduler:
         ch.violations = [v for v in (ttft_verdict, tbt_verdict) if v is not None]
         record = self._record(ctx, ch)
         verdict = ttft_verdict or tbt_verdict
-        if verdict is not None:
+        if verdict is not None and self.admission:
             raise _Refused(verdict.status, verdict.reason, verdict.message, record, verdict.retry_after_s)
         ch.record = record
 
@@ -460,7 +463,8 @@ class Scheduler:
                            "blocks": [pc.candidate.local_blocks, terms.hit_tokens // ctx.block_size]}
         return {
             "request_id": ctx.facts.request_id, "policy": self.policy_name, "score": self.policy.score_name,
-            "time_s": ctx.now, "outcome": "rejected" if violations else "placed",
+            "time_s": ctx.now, "outcome": "rejected" if violations and self.admission else "placed",
+            "admission": self.admission,
             "prompt_tokens": ctx.facts.prompt_tokens, "max_tokens": ctx.facts.max_tokens,
             "slo": {"ttft_s": slo.ttft_s, "tbt_s": slo.tbt_s}, "early_rejection": self.early_rejection,
             "store_hit_tokens": ctx.store_blocks * ctx.block_size,

@@ -152,3 +152,17 @@ def test_admission_applies_to_every_policy(policy):
     sched = Scheduler([Instance("p0", "prefill"), Instance("d0", "decode")], policy=policy, clock=clock,
                       slo=SLO(ttft_s=0.001))
     assert sched.decide(facts("r")).status == 429
+
+
+def test_admission_off_places_what_it_would_refuse_and_says_so():
+    """How the peer routers ship: no 429 for a predicted SLO miss; the explanation keeps the verdict."""
+    on, _ = make(slo=SLO(ttft_s=1.0))
+    queue(on, 5.0)
+    assert isinstance(on.decide(facts("r")), Rejection)
+    off, _ = make(slo=SLO(ttft_s=1.0), admission=False)
+    queue(off, 5.0)
+    d = off.decide(facts("r"))
+    assert isinstance(d, Placement) and d.ttft_s > 5.0
+    rec = d.explanation
+    assert rec["outcome"] == "placed" and rec["admission"] is False and rec["violations"][0]["reason"] == "ttft_slo"
+    assert "r" in off.ledger

@@ -66,6 +66,9 @@ def build_parser() -> Parser:
     s.add_argument("--predictors", default="analytic",
                    help="analytic (public facts), oracle (the engine model's own timing: the upper bound)")
     s.add_argument("--early-rejection", action="store_true", help="admit on decode load predicted at prefill end")
+    s.add_argument("--admission", choices=("all", "conductor", "none"), default="all",
+                   help="which policies refuse requests predicted to miss the SLO (429): all (default: placement "
+                        "alone differs), conductor (the peers as their routers ship, without SLO admission), none")
     o = p.add_argument_group("outputs")
     o.add_argument("--telemetry", metavar="PATH", help="also write every request's record (with token times) here")
     o.add_argument("--keep-token-times", action="store_true", help="write every token time to requests.jsonl")
@@ -126,7 +129,8 @@ def main(argv: list[str]) -> int:
                           seed=a.seed)
     cfg = SimConfig(base=w.base, cluster=cluster, scheduler=sched, policies=policies, slo=w.slo,
                     load_kind=w.load_kind, loads=w.loads, attainment_target=a.attainment_target, arrival=a.arrival,
-                    cv=a.burstiness, seed=a.seed, predictors=a.predictors, workers=a.workers, progress=not a.quiet,
+                    cv=a.burstiness, seed=a.seed, predictors=a.predictors, admission=a.admission, workers=a.workers,
+                    progress=not a.quiet,
                     regenerate=w.regenerate)
     log(f"workload: {w.base.source} ({w.base.kind}, {len(w.base.requests)} requests, {w.base.span_s:.1f} s of "
         f"trace time); cluster {a.prefill}P+{a.decode}D{f'+{a.both}B' if a.both else ''} {a.profile}; "

@@ -60,6 +60,7 @@ class SchedulerSpec:
     policy_params: dict[str, Any] = field(default_factory=dict)
     slo: SLO = field(default_factory=lambda: SLO(ttft_s=30.0, tbt_s=0.2))
     early_rejection: bool = False
+    admission: bool = True  # False: never refuse over the SLO, as the peer routers ship
     seed: int = 0
 
 
@@ -92,6 +93,7 @@ class SimCluster:
             params.setdefault("peer_pull", False)
         self.scheduler = Scheduler(members, policy=sched.policy, slo=sched.slo, block_size=spec.block_size,
                                    clock=loop.clock, early_rejection=sched.early_rejection, seed=sched.seed,
+                                   admission=sched.admission,
                                    keep_decisions=0, predictors=predictors(members) if predictors else None,
                                    index=HitIndex(spec.block_size, trust_event_hashes=True), **params)
         for iid, inst in self.instances.items():  # what the gateway reads from each engine's /metrics at start

@@ -34,6 +34,7 @@ class SimConfig:
     cv: float = 1.0
     seed: int = 0
     predictors: str = "analytic"
+    admission: str = "all"  # all | conductor (the peers as their routers ship: no SLO admission) | none
     workers: int = 2
     progress: bool = True
     regenerate: Callable[[float], Workload] | None = None  # synthetic workloads at a rate
@@ -83,7 +84,8 @@ def _simulate(cfg: SimConfig, policy: str, load: float, progress: bool) -> tuple
     w = workload_at(cfg, load)
     # --policy-param belongs to the first policy (the others run with their defaults)
     params = cfg.scheduler.policy_params if policy == cfg.policies[0] else {}
-    sched = replace(cfg.scheduler, policy=policy, policy_params=params)
+    admits = cfg.admission == "all" or (cfg.admission == "conductor" and policy.startswith("conductor"))
+    sched = replace(cfg.scheduler, policy=policy, policy_params=params, admission=admits)
     label = f"{policy} @ {load_label(cfg.load_kind, load)}"
     run = simulate(w, cfg.cluster, sched, endpoint=cfg.endpoint, salt=f"sim-{cfg.seed}",
                    predictors=predictors_factory(cfg.predictors, cfg.cluster), label=label,
@@ -141,7 +143,7 @@ def build_summary(cfg: SimConfig, steps: list[SimStep]) -> dict[str, Any]:
                   "problems": w.problems, "span_s": w.span_s, "offered_rps": rate_of(w.requests),
                   "block_tokens": w.block_tokens},
         run={"mode": "simulate", "endpoint": cfg.endpoint, "arrival": cfg.arrival, "cv": cfg.cv, "seed": cfg.seed,
-             "predictors": cfg.predictors, "policies": cfg.policies,
+             "predictors": cfg.predictors, "policies": cfg.policies, "admission": cfg.admission,
              "policy_params": cfg.scheduler.policy_params, "early_rejection": cfg.scheduler.early_rejection,
              "cluster": {"prefill": c.prefill, "decode": c.decode, "both": c.both, "profile": c.profile,
                          "block_size": c.block_size, "noise": c.noise, "kv_event_lag_ms": c.kv_event_lag_s * 1e3,
