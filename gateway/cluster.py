@@ -28,7 +28,7 @@ def build_scheduler(cfg: GatewayConfig, engines: list[EngineConfig]) -> Schedule
     """The scheduler for these engines, predicting from their public deployments and the
     configured prior; a bad policy, parameter or deployment raises ValueError."""
     params = dict(cfg.policy_params)
-    if cfg.policy == "conductor":
+    if cfg.policy.startswith("conductor"):
         params.setdefault("peer_pull", cfg.peer_kv_pull)
     instances = [Instance(e.id, e.role, deployment=e.deployment, healthy=False, kv_capacity_tokens=e.kv_capacity_tokens,
                           max_model_len=e.max_model_len) for e in engines]

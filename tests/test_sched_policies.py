@@ -74,7 +74,7 @@ def test_conductor_moves_the_work_off_an_overloaded_holder_and_replicates_the_pr
 def test_conductor_without_peer_pull_only_pulls_from_the_store():
     """Engines that cannot fetch a prefix from another prefill instance (vLLM two-step PD with
     no shared store): the overloaded holder's prefix is not a source, the store still is."""
-    sched, _ = cluster(peer_pull=False)
+    sched, _ = cluster(peer_pull=False, inflight=False)  # the pull rule alone (no in-flight prefixes)
     doc = toks(1, 6000)
     hold(sched, "p1", doc)
     busy(sched, "p1", seconds=5.0)

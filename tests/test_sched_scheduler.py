@@ -25,8 +25,8 @@ def pd(policy="conductor", **kw):
 
 
 def test_policy_names_and_construction_errors():
-    assert Scheduler.policy_names() == ["conductor", "round_robin", "random", "least_loaded", "prefix_only",
-                                        "sglang_cache_aware", "dynamo_cost", "lmetric"]
+    assert Scheduler.policy_names() == ["conductor", "conductor_alg1", "round_robin", "random", "least_loaded",
+                                        "prefix_only", "sglang_cache_aware", "dynamo_cost", "lmetric"]
     with pytest.raises(ValueError, match="unknown policy"):
         Scheduler([Instance("a", "both")], policy="fastest")
     with pytest.raises(ValueError, match="no parameter"):

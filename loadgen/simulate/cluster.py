@@ -89,7 +89,7 @@ class SimCluster:
             self.instances[iid] = SimInstance(iid, role, model, loop, self._on_step)
             members.append(Instance(iid, role, deployment=profile.deployment.name))
         params = dict(sched.policy_params)
-        if sched.policy == "conductor":  # as the gateway: engines cannot pull a prefix from a peer
+        if sched.policy.startswith("conductor"):  # as the gateway: engines cannot pull a prefix from a peer
             params.setdefault("peer_pull", False)
         self.scheduler = Scheduler(members, policy=sched.policy, slo=sched.slo, block_size=spec.block_size,
                                    clock=loop.clock, early_rejection=sched.early_rejection, seed=sched.seed,

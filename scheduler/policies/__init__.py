@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from scheduler.policies.base import DecodeChoice, Policy, PrefillChoice
-from scheduler.policies.conductor import ConductorPolicy
+from scheduler.policies.conductor import ConductorAlg1Policy, ConductorPolicy
 from scheduler.policies.dynamo import DynamoCostPolicy
 from scheduler.policies.lmetric import LMetricPolicy
 from scheduler.policies.prefix_only import PrefixOnlyPolicy
@@ -12,7 +12,7 @@ from scheduler.policies.sglang import SGLangCacheAwarePolicy
 from scheduler.policies.simple import LeastLoadedPolicy, RandomPolicy, RoundRobinPolicy
 
 POLICIES: dict[str, type[Policy]] = {p.name: p for p in (
-    ConductorPolicy, RoundRobinPolicy, RandomPolicy, LeastLoadedPolicy, PrefixOnlyPolicy,
+    ConductorPolicy, ConductorAlg1Policy, RoundRobinPolicy, RandomPolicy, LeastLoadedPolicy, PrefixOnlyPolicy,
     SGLangCacheAwarePolicy, DynamoCostPolicy, LMetricPolicy)}
 
 

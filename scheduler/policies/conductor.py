@@ -1,14 +1,25 @@
-"""``conductor``: Mooncake's KVCache-centric scheduling (FAST'25, Algorithm 1).
+"""``conductor``: Mooncake's KVCache-centric scheduling (FAST'25, Algorithm 1), and where we
+depart from it (measured in docs/experiments/conductor-vs-baselines.md).
 
-For every prefill instance p: either recompute beyond p's own prefix, or pull the best
-holder's prefix (the longest anywhere: another prefill instance or the shared store) and
-prefill the rest; TTFT_p = T_transfer + T_queue + T_prefill; p* = argmin TTFT_p. Whether p pulls
-follows either the paper's ratio rule (``pull_rule="ratio"``: pull when p holds nothing of a
-prefix that exists, or best_len / p.prefix_len > ``balancing_threshold``) or the direct rule the
-paper also states (``pull_rule="direct"``, default): pull when the transfer is faster than the
-prefill it saves. An overloaded holder thus loses to an idle instance that fetches the prefix
-itself, and that fetch is how hot prefixes replicate. The decode instance is the one with the
-lowest predicted TBT once this request joins.
+Algorithm 1 (``conductor_alg1``, as published): for every prefill instance p, either recompute
+beyond p's own prefix, or pull the best holder's prefix (the longest anywhere: another prefill
+instance or the shared store) and prefill the rest; TTFT_p = T_transfer + T_queue + T_prefill;
+p* = argmin TTFT_p. Whether p pulls follows either the paper's ratio rule (``pull_rule="ratio"``:
+pull when p holds nothing of a prefix that exists, or best_len / p.prefix_len >
+``balancing_threshold``) or the direct rule the paper also states (``pull_rule="direct"``,
+default): pull when the transfer is faster than the prefill it saves. An overloaded holder thus
+loses to an idle instance that fetches the prefix itself, and that fetch is how hot prefixes
+replicate. The decode instance balances load: the lowest predicted TBT once this request joins.
+
+``conductor`` (the default) changes three things, each measured in the virtual-time simulator:
+* the work term (``work_weight``, default 1): minimise TTFT + w x the work the request adds to
+  the instance (its transfer + prefill there). Greedy TTFT recomputes a cached prefix elsewhere
+  to skip a queue, spending capacity that every later request waits for;
+* in-flight prefixes (``inflight``): a prefix placed on an instance but not yet announced by KV
+  events counts as held there, so a burst sharing a new prefix follows its first request;
+* the decode instance is the one giving the earliest first token within the TBT SLO (room for
+  the KV, shipment, first step): balancing TBT alone sends requests to instances whose KV is
+  full, where they wait after their prefill.
 """
 from __future__ import annotations
 
@@ -30,10 +41,12 @@ class ConductorParams:
     # > 0 departs from Algorithm 1: minimise TTFT + work_weight x the work this request adds to the
     # instance (its transfer + prefill there). Greedy TTFT recomputes a cached prefix elsewhere to
     # skip a queue, spending capacity every later request waits for; the work term charges that.
-    work_weight: float = 0.0
+    work_weight: float = 1.0
     # True departs from Algorithm 1 (which reads only the KV-event hit map): a prefix placed on an
     # instance and not yet announced counts as held there (scheduler/inflight.py)
-    inflight: bool = False
+    inflight: bool = True
+    # "first_token": earliest first token within the TBT SLO; "tbt": Algorithm 1's load balancing
+    decode_choice: Literal["first_token", "tbt"] = "first_token"
 
     def __post_init__(self) -> None:
         if not self.balancing_threshold > 0:
@@ -109,6 +122,14 @@ class ConductorPolicy(Policy):
         return {c.id: ship(ctx.prompt_tokens, c.id, ref) for c in ctx.prefill if c.role == Role.PREFILL}
 
     def choose_decode(self, ctx: DecisionContext, prefill: PrefillCandidate) -> DecodeChoice:
+        if self.params.decode_choice == "tbt":
+            scores = {d.id: d.tbt_s for d in ctx.decode}
+            best = argmin(ctx.decode, key=lambda d: (d.tbt_s, d.state.running), rng=ctx.rng)
+            return DecodeChoice(best, scores, f"lowest predicted TBT {best.tbt_s:.4g}s with this request"
+                                              f"{runner_up(scores, best.id)}")
+        return self._earliest_first_token(ctx, prefill)
+
+    def _earliest_first_token(self, ctx: DecisionContext, prefill: PrefillCandidate) -> DecodeChoice:
         """The decode instance that gives the earliest first token (room for the KV, shipment,
         first step) among those meeting the TBT SLO with this request added; lowest TBT when none
         does. Balancing TBT alone sends requests to instances whose KV is full, where they wait
@@ -123,3 +144,18 @@ class ConductorPolicy(Policy):
         if winner.kv_wait_s > ctx.prefill_ready_s:
             why += f", after waiting {winner.kv_wait_s - ctx.prefill_ready_s:.3g}s for KV room"
         return DecodeChoice(winner, first, why + runner_up(first, winner.id))
+
+
+@dataclass(frozen=True)
+class ConductorAlg1Params(ConductorParams):
+    work_weight: float = 0.0
+    inflight: bool = False
+    decode_choice: Literal["first_token", "tbt"] = "tbt"
+
+
+class ConductorAlg1Policy(ConductorPolicy):
+    """Algorithm 1 as published: TTFT argmin over the KV-event hit map, decode by load balancing."""
+
+    name = "conductor_alg1"
+    source = "Mooncake FAST'25 Algorithm 1 as published (the reference our conductor departs from)"
+    Params = ConductorAlg1Params
