@@ -121,3 +121,15 @@ def test_the_command_writes_loadgens_outputs_and_is_byte_deterministic(tmp_path)
     assert set(s["capacity_by_tbt"]) == {"conductor", "round_robin"}
     assert len((tmp_path / "t.jsonl").read_text().splitlines()) == 80
     assert "round_robin / conductor: goodput ratio" in p1.stdout
+
+
+def test_the_reuse_bound_grows_with_capacity_and_never_exceeds_the_unbounded_one():
+    from loadgen.simulate.reuse import reuse_bound
+
+    w = workload(40, 2.0)  # the workload run() below replays
+    small, big = reuse_bound(w, 16, 20_000), reuse_bound(w, 16, 10**8)
+    assert 0 <= small["lru_hit_ratio"] < big["lru_hit_ratio"] == pytest.approx(big["infinite_hit_ratio"])
+    assert big["infinite_hit_ratio"] > 0.2  # later turns repeat their conversation's context
+    r = run(n=40, rate=2.0, cluster=ClusterSpec(both=1, seed=3))  # one instance, a cache holding it all
+    served = sum(x.cached_tokens for x in r.records) / sum(x.prompt_tokens for x in r.records)
+    assert served <= big["infinite_hit_ratio"] + 1e-9

@@ -70,6 +70,9 @@ def build_parser() -> Parser:
                    help="which policies refuse requests predicted to miss the SLO (429): all (default: placement "
                         "alone differs), conductor (the peers as their routers ship, without SLO admission), none")
     o = p.add_argument_group("outputs")
+    o.add_argument("--reuse-bound", action="store_true",
+                   help="also report the trace's prefix-reuse bound for the cluster's cache capacity (one global "
+                        "LRU of the prefill instances' KV; a few seconds per thousand requests)")
     o.add_argument("--telemetry", metavar="PATH", help="also write every request's record (with token times) here")
     o.add_argument("--keep-token-times", action="store_true", help="write every token time to requests.jsonl")
     o.add_argument("--workers", type=positive_int, default=min(2, os.cpu_count() or 1),
@@ -129,7 +132,7 @@ def main(argv: list[str]) -> int:
                           seed=a.seed)
     cfg = SimConfig(base=w.base, cluster=cluster, scheduler=sched, policies=policies, slo=w.slo,
                     load_kind=w.load_kind, loads=w.loads, attainment_target=a.attainment_target, arrival=a.arrival,
-                    cv=a.burstiness, seed=a.seed, predictors=a.predictors, admission=a.admission, workers=a.workers,
+                    cv=a.burstiness, seed=a.seed, predictors=a.predictors, admission=a.admission, reuse_bound=a.reuse_bound, workers=a.workers,
                     progress=not a.quiet,
                     regenerate=w.regenerate)
     log(f"workload: {w.base.source} ({w.base.kind}, {len(w.base.requests)} requests, {w.base.span_s:.1f} s of "

@@ -155,6 +155,10 @@ def format_table(outcome: SimOutcome) -> str:
         g = [r["goodput_rps_ratio"] for r in c["steps"]]
         lines.append(f"{c['candidate']} / {c['baseline']}: goodput ratio per load "
                      + ", ".join("-" if x is None else f"{x:.2f}" for x in g))
+    rb = s.get("reuse_bound")
+    if rb:
+        lines.append(f"prefix reuse bound: {rb['lru_hit_ratio']:.1%} with the cluster's cache "
+                     f"({rb['capacity_tokens']:,} tokens, one global LRU), {rb['infinite_hit_ratio']:.1%} unbounded")
     wall = sum(st.stats.wall_s for st in outcome.steps)
     events = sum(st.stats.events for st in outcome.steps)
     sim_s = sum(st.stats.sim_s for st in outcome.steps)

@@ -35,6 +35,7 @@ class SimConfig:
     seed: int = 0
     predictors: str = "analytic"
     admission: str = "all"  # all | conductor (the peers as their routers ship: no SLO admission) | none
+    reuse_bound: bool = False  # also compute the trace's reuse bound for the cluster's cache capacity
     workers: int = 2
     progress: bool = True
     regenerate: Callable[[float], Workload] | None = None  # synthetic workloads at a rate
@@ -150,6 +151,13 @@ def build_summary(cfg: SimConfig, steps: list[SimStep]) -> dict[str, Any]:
                          "poll_interval_s": c.poll_interval_s, "engine": c.engine}},
         simulation={"events": sum(s.stats.events for s in steps), "simulated_s": sum(s.stats.sim_s for s in steps)},
     )
+    if cfg.reuse_bound:
+        from engines_adapters.sim.profiles import load_profile
+
+        from .reuse import reuse_bound
+
+        cap = load_profile(c.profile).kv_capacity_tokens * (c.prefill + c.both)
+        out["reuse_bound"] = reuse_bound(cfg.base, c.block_size, cap, cfg.endpoint, salt=f"sim-{cfg.seed}")
     if len(per_policy) > 1:
         out["targets"] = per_policy
         out["comparison"] = [compare(per_policy[0], t) for t in per_policy[1:]]
