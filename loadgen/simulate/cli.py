@@ -132,9 +132,8 @@ def main(argv: list[str]) -> int:
                           seed=a.seed)
     cfg = SimConfig(base=w.base, cluster=cluster, scheduler=sched, policies=policies, slo=w.slo,
                     load_kind=w.load_kind, loads=w.loads, attainment_target=a.attainment_target, arrival=a.arrival,
-                    cv=a.burstiness, seed=a.seed, predictors=a.predictors, admission=a.admission, reuse_bound=a.reuse_bound, workers=a.workers,
-                    progress=not a.quiet,
-                    regenerate=w.regenerate)
+                    cv=a.burstiness, seed=a.seed, predictors=a.predictors, admission=a.admission,
+                    reuse_bound=a.reuse_bound, workers=a.workers, progress=not a.quiet, regenerate=w.regenerate)
     log(f"workload: {w.base.source} ({w.base.kind}, {len(w.base.requests)} requests, {w.base.span_s:.1f} s of "
         f"trace time); cluster {a.prefill}P+{a.decode}D{f'+{a.both}B' if a.both else ''} {a.profile}; "
         f"{len(policies)} polic{'y' if len(policies) == 1 else 'ies'} x {len(w.loads)} load(s)")
