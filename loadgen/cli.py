@@ -41,6 +41,9 @@ def build_parser() -> Parser:
     p.add_argument("--max-lag-ms", type=positive_float, default=10.0,
                    help="flag the run when the client's send or event-loop lag p99 exceeds this (default 10)")
     p.add_argument("--step-pause", type=float, default=1.0, metavar="S", help="idle time between sweep steps")
+    p.add_argument("--repeat", type=positive_int, default=1, metavar="N",
+                   help="run every load N times, alternating which target goes first (position alone can move a "
+                        "comparison by many points on a shared machine); the summary reports the spread")
     p.add_argument("--reuse-prompts", action="store_true",
                    help="same prompt text in every step "
                         "(default: a fresh salt per step and target, so caches start cold)")
@@ -58,7 +61,8 @@ def _config(a: argparse.Namespace, log) -> LoadgenConfig:
     if len(set(a.target)) != len(a.target):
         raise CLIError("the same --target was given twice")
     w = workload_from_args(a, log)
-    base, slo, kind, loads, regenerate = w.base, w.slo, w.load_kind, w.loads, w.regenerate
+    base, slo, kind, regenerate = w.base, w.slo, w.load_kind, w.regenerate
+    loads = [x for x in w.loads for _ in range(a.repeat)]
     if a.save_workload:
         try:
             to_mooncake_jsonl(base, a.save_workload)

@@ -84,6 +84,13 @@ def format_table(summary: dict[str, Any]) -> str:
                      + ", ".join("-" if x is None else f"{x:.2f}" for x in g)
                      + (f"; effective capacity ratio {c['effective_capacity_ratio']:.2f}"
                         if c["effective_capacity_ratio"] else ""))
+    for ti, t in enumerate(targets):
+        for sp in t.get("spread", []):
+            a, g = sp["slo_attainment"], sp["goodput_rps"]
+            if a and g:
+                lines.append(("T%d " % (ti + 1) if multi else "") + f"{load_label(summary['load_kind'], sp['load'])} "
+                             f"over {sp['runs']} runs: attainment {_pct(a['min'])}..{_pct(a['max'])} "
+                             f"(mean {_pct(a['mean'])}), goodput {g['min']:.2f}..{g['max']:.2f}/s")
     lines.append(client_line(summary))
     return "\n".join(lines)
 

@@ -175,6 +175,23 @@ def _step_summary(o: StepOutcome, cfg: LoadgenConfig) -> dict[str, Any]:
     return s
 
 
+def spread(step_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per distinct load run more than once: min, mean and max of attainment and goodput."""
+    by: dict[float, list[dict[str, Any]]] = {}
+    for s in step_rows:
+        by.setdefault(s["load"], []).append(s)
+    out = []
+    for load, rows in sorted(by.items()):
+        if len(rows) < 2:
+            continue
+        row: dict[str, Any] = {"load": load, "runs": len(rows)}
+        for key in ("slo_attainment", "goodput_rps"):
+            vals = [r[key] for r in rows if r[key] is not None]
+            row[key] = {"min": min(vals), "mean": sum(vals) / len(vals), "max": max(vals)} if vals else None
+        out.append(row)
+    return out
+
+
 def _target_summary(ti: int, cfg: LoadgenConfig, steps: list[StepOutcome], model: str) -> dict[str, Any]:
     mine = sorted((s for s in steps if s.target_index == ti), key=lambda s: s.step)
     records = [r for s in mine for r in s.result.records]
@@ -186,7 +203,7 @@ def _target_summary(ti: int, cfg: LoadgenConfig, steps: list[StepOutcome], model
                effective_capacity=effective_capacity([s["load"] for s in step_rows],
                                                      [None if s.get("aborted") else s["slo_attainment"]
                                                       for s in step_rows], cfg.attainment_target),
-               client=client_health([s.result for s in mine], cfg.max_lag_ms))
+               client=client_health([s.result for s in mine], cfg.max_lag_ms), spread=spread(step_rows))
     return agg
 
 

@@ -75,6 +75,26 @@ def test_sweep_two_targets_capacity_and_outputs(tmp_path, capsys):
     assert "effective capacity ≈" in captured.out and "client send lag p50" in captured.out
 
 
+def test_repeat_alternates_which_target_goes_first_and_reports_the_spread(tmp_path, capsys):
+    out = tmp_path / "out"
+    with spawn("--ttft-ms", "5", "--itl-ms", "1") as a, spawn("--ttft-ms", "5", "--itl-ms", "1") as b:
+        rc = conductor(["loadgen", "--target", a, "--target", b, "--synthetic", "--requests", "6",
+                        "--input-tokens", "200", "--output-tokens", "3", "--rate", "20", "--repeat", "3",
+                        "--step-pause", "0", "--out", str(out), "--quiet"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    order = [line.split("]")[1].split(":")[0].strip() for line in captured.err.splitlines()
+             if line.startswith("[") and "requests to" in line]
+    assert order == ["target 1 20 req/s", "target 2 20 req/s", "target 2 20 req/s", "target 1 20 req/s",
+                     "target 1 20 req/s", "target 2 20 req/s"]
+    s = json.loads((out / "summary.json").read_text())
+    for t in s["targets"]:
+        assert [st["load"] for st in t["steps"]] == [20, 20, 20]
+        (sp,) = t["spread"]
+        assert sp["runs"] == 3 and sp["slo_attainment"]["min"] <= sp["slo_attainment"]["mean"] <= 1.0
+    assert "over 3 runs: attainment" in captured.out
+
+
 def test_trace_replay_prompt_lengths_exact_through_the_server(tmp_path, capsys):
     p = trace_slice(tmp_path, 30)
     with spawn("--ttft-ms", "5", "--itl-ms", "0.2") as url:
