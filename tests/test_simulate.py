@@ -38,7 +38,7 @@ def test_every_request_ends_exactly_once_and_the_ledger_ends_empty():
 
 def test_a_disaggregated_request_walks_the_live_path():
     r = run(n=30, rate=2.0)
-    w = {f"s0-t0-r{q.index}": q for q in workload(30, 2.0).requests}
+    w = {f"sim-r{q.index}": q for q in workload(30, 2.0).requests}
     for rec in r.records:
         assert rec.status == "ok"
         q = w[rec.request_id]

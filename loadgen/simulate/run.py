@@ -103,12 +103,12 @@ def _few_collections() -> Iterator[None]:
 
 def simulate(workload: Workload, cluster: ClusterSpec, sched: SchedulerSpec, *, endpoint: str = "chat",
              salt: str = "sim", predictors: Callable | None = None, label: str = "simulate",
-             progress: TextIO | None = sys.stderr, id_prefix: str = "s0-t0") -> SimRun:
+             progress: TextIO | None = sys.stderr, id_prefix: str = "sim") -> SimRun:
     """Replay ``workload`` (arrival times as given) on a fresh simulated cluster.
 
-    Request ids are ``{id_prefix}-r{index}``, the ids ``conductor loadgen`` sends for step s,
-    target t: the scheduler breaks ties with a per-request RNG seeded by the id, so the live run
-    and the simulation of the same step break them alike."""
+    Request ids are ``{id_prefix}-r{index}``. The scheduler breaks ties with a per-request RNG
+    seeded by the id, so ``conductor simulate`` passes ``s{step}-t{target}``, the ids
+    ``conductor loadgen`` sends: a live run and the simulation of the same step break ties alike."""
     loop = EventLoop()
     records: list[RequestRecord] = []
     bar = _Progress(label, len(workload.requests), progress)
