@@ -160,6 +160,23 @@ def kv_event_lag(live_out: str) -> dict[str, float] | None:
             "max_s": max(s["lag_max_s"] for s in stats)}
 
 
+def first_divergence(live_out: str, index: int) -> dict[str, Any] | None:
+    """The live decision of trace request ``index`` (from /admin/decisions): its prefill
+    candidates' scores and how close the runner-up was (a near-tie flips on a few ms of timing)."""
+    try:
+        with open(os.path.join(live_out, "decisions.json")) as f:
+            raw = json.load(f)
+    except (OSError, ValueError):
+        return None
+    for e in raw.get("decisions", []) if isinstance(raw, dict) else []:
+        if e.get("request_id", "").endswith(f"-r{index}") and e.get("prefill"):
+            cols = e["prefill"]["columns"]
+            scores = sorted((r[cols.index("score")], r[cols.index("id")]) for r in e["prefill"]["rows"])
+            margin = (scores[1][0] - scores[0][0]) / scores[0][0] if len(scores) > 1 and scores[0][0] else None
+            return {"index": index, "live_scores": scores, "runner_up_margin": margin}
+    return None
+
+
 def compare(live_dir: str, sim_dir: str, time_scale: float) -> dict[str, Any]:
     """Both runs' figures in modelled seconds and the per-request agreement."""
     from loadgen.metrics import percentile
@@ -264,6 +281,8 @@ def run(s: Slice, out: str) -> dict[str, Any]:
     sim_dir = run_sim(s, os.path.join(out, "sim"))
     c = compare(live_dir, sim_dir, s.time_scale)
     c["kv_event_lag_wall_s"] = kv_event_lag(os.path.join(out, "live"))
+    if c["differing_prefill"]:
+        c["first_divergence"] = first_divergence(os.path.join(out, "live"), c["differing_prefill"][0][0])
     with open(os.path.join(out, "comparison.json"), "w") as f:
         json.dump(c, f, indent=1)
     return c
@@ -303,6 +322,10 @@ def main(argv: list[str] | None = None) -> int:
         print(table(c))
         if c["differing_prefill"]:
             print("differing prefill (trace index, live, sim):", c["differing_prefill"])
+            fd = c.get("first_divergence")
+            if fd and fd["runner_up_margin"] is not None:
+                print(f"first divergence: request {fd['index']}, live scores {fd['live_scores']}: "
+                      f"runner-up {fd['runner_up_margin']:.2%} behind")
         bad = check(c, bounds)
         for line in bad:
             print("OUT OF BOUNDS:", line)
