@@ -75,6 +75,11 @@ class SubscriberStats:
     rebuilds: int = 0
     ignored: int = 0
     tail_recoveries: int = 0  # idle probes that found batches we had missed
+    # KV-event lag of live batches: our wall clock at apply minus the batch's ts (the engine's wall
+    # clock when it published; same host or synchronised clocks). How stale the hit index is.
+    lag_n: int = 0
+    lag_sum_s: float = 0.0
+    lag_max_s: float = 0.0
 
 
 class KVEventSubscriber:
@@ -150,7 +155,7 @@ class KVEventSubscriber:
             self._rebuild()
             await self._recover(0)  # the new incarnation's history, from its first batch
             if seq > self.stats.last_seq:
-                self._apply(seq, payload)
+                self._apply(seq, payload, live=True)
             return
         self._live_last = seq
         last = self.stats.last_seq
@@ -160,7 +165,7 @@ class KVEventSubscriber:
             self.stats.gaps += last >= 0
             await self._recover(last + 1)
         if seq > self.stats.last_seq:
-            self._apply(seq, payload)
+            self._apply(seq, payload, live=True)
 
     def _rebuild(self) -> None:
         """Forget everything this instance holds; later events build it again."""
@@ -213,9 +218,9 @@ class KVEventSubscriber:
             dealer.close(0)
         return None
 
-    def _apply(self, seq: int, payload: bytes) -> None:
+    def _apply(self, seq: int, payload: bytes, live: bool = False) -> None:
         try:
-            _, events, _ = self.decode(payload)
+            ts, events, _ = self.decode(payload)
         except Exception as e:  # a malformed batch must not kill the subscriber
             log.warning("kv events %s: undecodable batch %d: %s", self.instance_id, seq, e)
             self.stats.ignored += 1
@@ -225,3 +230,9 @@ class KVEventSubscriber:
         self.stats.batches += 1
         self.stats.events += len(events)
         self.stats.ignored += apply_events(self.sink, self.instance_id, events)
+        if live and ts:  # replayed batches are old by design: not lag
+            lag = max(0.0, time.time() - ts)
+            st = self.stats
+            st.lag_n += 1
+            st.lag_sum_s += lag
+            st.lag_max_s = max(st.lag_max_s, lag)

@@ -103,8 +103,12 @@ def _few_collections() -> Iterator[None]:
 
 def simulate(workload: Workload, cluster: ClusterSpec, sched: SchedulerSpec, *, endpoint: str = "chat",
              salt: str = "sim", predictors: Callable | None = None, label: str = "simulate",
-             progress: TextIO | None = sys.stderr) -> SimRun:
-    """Replay ``workload`` (arrival times as given) on a fresh simulated cluster."""
+             progress: TextIO | None = sys.stderr, id_prefix: str = "sim") -> SimRun:
+    """Replay ``workload`` (arrival times as given) on a fresh simulated cluster.
+
+    Request ids are ``{id_prefix}-r{index}``. The scheduler breaks ties with a per-request RNG
+    seeded by the id, so ``conductor simulate`` passes ``s{step}-t{target}``, the ids
+    ``conductor loadgen`` sends: a live run and the simulation of the same step break ties alike."""
     loop = EventLoop()
     records: list[RequestRecord] = []
     bar = _Progress(label, len(workload.requests), progress)
@@ -128,7 +132,7 @@ def simulate(workload: Workload, cluster: ClusterSpec, sched: SchedulerSpec, *, 
             extra["trace_line"] = req.line
         if req.conversation is not None:
             extra.update(conversation=req.conversation, turn=req.turn)
-        sim.arrive(f"sim-r{req.index}", prompt_tokens(req, synth, framing, endpoint, tok), req.output_length,
+        sim.arrive(f"{id_prefix}-r{req.index}", prompt_tokens(req, synth, framing, endpoint, tok), req.output_length,
                    req.output_length, extra)
         state["next"] = i + 1
         if i + 1 < len(requests):  # one pending arrival at a time keeps the heap small

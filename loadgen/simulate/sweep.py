@@ -80,6 +80,8 @@ def _run_job(job: tuple[int, str, float]) -> tuple[list[RequestRecord], RunStats
 
 
 def _simulate(cfg: SimConfig, policy: str, load: float, progress: bool) -> tuple[list[RequestRecord], RunStats]:
+    # the ids loadgen would send in step (load index), target (policy index): same tie-breaks
+    id_prefix = f"s{cfg.loads.index(load)}-t{cfg.policies.index(policy)}"
     from .oracle import predictors_factory
 
     w = workload_at(cfg, load)
@@ -90,7 +92,7 @@ def _simulate(cfg: SimConfig, policy: str, load: float, progress: bool) -> tuple
     label = f"{policy} @ {load_label(cfg.load_kind, load)}"
     run = simulate(w, cfg.cluster, sched, endpoint=cfg.endpoint, salt=f"sim-{cfg.seed}",
                    predictors=predictors_factory(cfg.predictors, cfg.cluster), label=label,
-                   progress=sys.stderr if progress else None)
+                   progress=sys.stderr if progress else None, id_prefix=id_prefix)
     for r in run.records:
         r.extra.update(target=policy, load=load)
     return run.records, run.stats
