@@ -256,11 +256,12 @@ def test_random_workloads_keep_the_block_accounting_exact(seed):
         r = e.step(now)
         now = r.end if not r.idle else now + 0.01
         kv = e.kv
-        referenced = [b for b in kv.cached.values() if b.ref > 0]
-        assert all(b.ref >= 0 for b in kv.cached.values())
-        assert set(kv.lru) == {h for h, b in kv.cached.items() if b.ref == 0}
+        referenced = [h for h, ref in kv.cached.items() if ref > 0]
+        assert all(ref >= 0 for ref in kv.cached.values())
+        assert set(kv.lru) == {h for h, ref in kv.cached.items() if ref == 0}
         assert len(kv.host) <= kv.host_capacity
-        private = sum(s.n_alloc - len(s.blocks) for s in e._seqs.values())
+        assert kv.meta is None or set(kv.meta) == set(kv.cached)
+        private = sum(s.n_alloc - s.nb for s in e._seqs.values())
         assert kv.free_plain + len(kv.cached) + private == kv.capacity, "blocks leaked or double counted"
         assert len(referenced) <= kv.capacity
     _, _, now = drain(e, now)
