@@ -152,7 +152,7 @@ class HitIndex:
             return False
         try:
             n = len(block_hashes)
-            if len(token_ids) != n * block_size or not all(isinstance(e, int) for e in block_hashes):
+            if len(token_ids) != n * block_size or not all(map(isinstance, block_hashes, repeat(int))):
                 return False
             emap = self._engine[instance_id]
             parent = None
@@ -172,6 +172,23 @@ class HitIndex:
             return False
         bit = self._bits[slot]
         table = self._tiers[tier]
+        if self.trust_event_hashes:  # engine hash == index hash: the mapping is the identity
+            emap.update(zip(ours, ours, strict=True))
+            tget = table.get
+            added = multi = 0
+            for h in ours:
+                mask = tget(h, 0)
+                if not mask & bit:
+                    if mask:
+                        table[h] = mask | bit
+                        if not mask & (mask - 1):
+                            multi += 1
+                    else:
+                        table[h] = bit
+                    added += 1
+            counts[tier] += added
+            self._multi += multi
+            return True
         for engine_hash, h in zip(block_hashes, ours, strict=True):
             old = emap.get(engine_hash)
             if old is not None and old != h:  # the engine reused a hash for other tokens
@@ -195,14 +212,38 @@ class HitIndex:
         if slot is None or tier is None:
             return False
         emap = self._engine[instance_id]
+        bit = self._bits[slot]
+        bits = self._bits
+        counts = self._counts[instance_id]
+        table = self._tiers[tier]
+        others = [t for k, t in enumerate(self._tiers) if k != tier and t]  # tiers that may still hold it
         consistent = True
-        try:
+        removed = 0
+        try:  # _forget for one tier, inlined (evictions come by the hundred thousand)
             for engine_hash in block_hashes:
                 h = emap.get(engine_hash)
-                if h is None or not self._forget(instance_id, slot, engine_hash, h, tiers=(tier,)):
+                if h is None:
                     consistent = False
+                    continue
+                mask = table.get(h, 0)
+                if mask & bit:
+                    removed += 1
+                    rest = mask & ~bit
+                    if not rest:
+                        del table[h]
+                    elif rest & (rest - 1):
+                        table[h] = rest  # still two or more holders
+                    else:
+                        table[h] = bits[rest.bit_length() - 1]
+                        self._multi -= 1
+                else:
+                    consistent = False
+                if not others or not any(t.get(h, 0) & bit for t in others):
+                    emap.pop(engine_hash, None)
         except TypeError:  # unhashable ids
+            counts[tier] -= removed
             return False
+        counts[tier] -= removed
         return consistent
 
     def all_cleared(self, instance_id: str) -> None:
