@@ -174,7 +174,8 @@ class EngineModel:
         if -(-(P + target) // bs) > self.kv.capacity:
             raise ValueError(f"prompt of {P} tokens plus {target} output tokens needs more KV blocks than the "
                              f"cache holds ({self.kv.capacity} blocks of {bs})")
-        s = _Seq(req, now, block_hashes(req.prompt, bs), off, max(1, target))
+        hashes = block_hashes(req.prompt, bs) if req.block_hashes is None else list(req.block_hashes)
+        s = _Seq(req, now, hashes, off, max(1, target))
         self._seqs[rid] = s
         self._waiting.append(s)
 
