@@ -9,6 +9,12 @@ A sequence's full blocks are the first ``n`` of its hash chain, so the pool name
 only: ``cached`` maps a hash to its reference count (no per-block object), and a sequence keeps
 just how many of its hashes it holds.
 
+The LRU of unreferenced blocks is a list in release order with lazy deletion: a block that drops
+to no references gets the next *stamp* (its position in the list), stored negated as its count
+(so a count <= 0 means "evictable, released at stamp -count"); re-referencing it just overwrites
+the count, and eviction walks the list from the head skipping entries whose stamp is stale. The
+order is exactly an ordered dict's (oldest release first), without a node per block.
+
 Usage follows vLLM: ``1 - (plain + evictable) / capacity``.
 
 Host tier (capacity in blocks, 0 = off): a block evicted from the GPU is offloaded to host memory
@@ -22,6 +28,7 @@ stores.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 
 from ..kv_wire import MEDIUM_CPU, MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored
 
@@ -39,6 +46,8 @@ class Block:
 
 
 class KVCache:
+    slack = 4096  # consumed / stale LRU entries tolerated before the list is trimmed
+
     def __init__(self, capacity_blocks: int, block_size: int, host_blocks: int = 0, events: bool = False,
                  meta: bool = True):
         """``meta``: keep a ``Block`` per cached block (events on; needed for vLLM ids or a host
@@ -48,8 +57,11 @@ class KVCache:
         self.capacity = capacity_blocks
         self.block_size = block_size
         self.free_plain = capacity_blocks
-        self.cached: dict[int, int] = {}  # hash -> references (0: evictable, in the LRU)
-        self.lru: OrderedDict[int, None] = OrderedDict()
+        self.cached: dict[int, int] = {}  # hash -> references; <= 0: evictable, -stamp in the LRU
+        self._q: list[int] = []  # LRU entries in release order; q[i] has stamp base + i
+        self._base = 1
+        self._head = 0  # entries before it are consumed
+        self.n_lru = 0  # evictable blocks (valid entries)
         self.host_capacity = max(0, host_blocks)
         self.host: OrderedDict[int, Block | None] = OrderedDict()
         self.events: list | None = [] if events else None
@@ -59,14 +71,22 @@ class KVCache:
 
     # --- capacity ---------------------------------------------------------------------------
     def num_free(self) -> int:
-        return self.free_plain + len(self.lru)
+        return self.free_plain + self.n_lru
+
+    def lru(self) -> Iterator[int]:
+        """The evictable blocks' hashes, least recently released first."""
+        cached, base = self.cached, self._base
+        for i in range(self._head, len(self._q)):
+            h = self._q[i]
+            if cached.get(h) == -(base + i):
+                yield h
 
     def usage(self) -> float:
         return 1.0 - self.num_free() / self.capacity
 
     def alloc(self, n: int) -> bool:
         """Take ``n`` blocks (plain first, then evicting the least recently used)."""
-        if n > self.free_plain + len(self.lru):
+        if n > self.free_plain + self.n_lru:
             return False
         take = n if n <= self.free_plain else self.free_plain
         self.free_plain -= take
@@ -76,11 +96,24 @@ class KVCache:
 
     def _evict(self, k: int) -> None:
         """Evict the ``k`` least recently used blocks."""
-        pop = self.lru.popitem
-        evicted = [pop(False)[0] for _ in range(k)]
-        cached = self.cached
-        for h in evicted:
-            del cached[h]
+        cached, q, base = self.cached, self._q, self._base
+        i = self._head
+        evicted: list[int] = []
+        add = evicted.append
+        left = k
+        while left:
+            h = q[i]
+            if cached.get(h) == -(base + i):
+                del cached[h]
+                add(h)
+                left -= 1
+            i += 1
+        self._head = i
+        self.n_lru -= k
+        if i > self.slack and i > len(q) >> 1:  # drop the consumed head
+            del q[:i]
+            self._base = base + i
+            self._head = 0
         self.evictions += k
         if self.host_capacity:  # per block: each removal is followed by its offload's events
             meta = self.meta
@@ -140,13 +173,17 @@ class KVCache:
 
     def acquire(self, hashes: list[int], n: int) -> None:
         """Reference the first ``n`` cached blocks of a prefix (they leave the LRU)."""
-        cached, lru = self.cached, self.lru
+        cached = self.cached
+        left = 0
         for i in range(n):
             h = hashes[i]
             r = cached[h]
-            if r == 0:
-                del lru[h]
-            cached[h] = r + 1
+            if r <= 0:
+                cached[h] = 1
+                left += 1
+            else:
+                cached[h] = r + 1
+        self.n_lru -= left
 
     def commit_many(self, hashes: list[int], first: int, upto: int) -> list[int]:
         """A sequence's private blocks ``first..upto`` of chain ``hashes`` just filled: cache
@@ -159,9 +196,8 @@ class KVCache:
         if cached.keys().isdisjoint(run) and len(set(run)) == len(run):  # all new: the common prefill
             cached.update(dict.fromkeys(run, 1))
             return list(range(first, upto))
-        lru = self.lru
         new: list[int] = []
-        shared = 0
+        shared = left = 0
         get = cached.get
         for i in range(first, upto):
             h = hashes[i]
@@ -170,34 +206,55 @@ class KVCache:
                 cached[h] = 1
                 new.append(i)
             else:
-                if r == 0:
-                    del lru[h]
+                if r <= 0:
+                    r = 0
+                    left += 1
                 cached[h] = r + 1
                 shared += 1
         self.free_plain += shared
+        self.n_lru -= left
         return new
 
     def release(self, hashes: list[int], n: int, private: int) -> None:
         """Drop a sequence's references to its first ``n`` blocks; tail blocks become the first
         eviction candidates."""
-        cached, lru = self.cached, self.lru
+        cached, q = self.cached, self._q
+        add = q.append
+        stamp = self._base + len(q)
+        first = stamp
         for i in range(n - 1, -1, -1):
             h = hashes[i]
-            r = cached[h] - 1
-            cached[h] = r
-            if r == 0:
-                lru[h] = None
+            r = cached[h]
+            if r > 1:
+                cached[h] = r - 1
+            else:
+                cached[h] = -stamp
+                add(h)
+                stamp += 1
+        self.n_lru += stamp - first
         self.free_plain += private
+        if len(q) - self._head > 2 * self.n_lru + self.slack:  # mostly stale: rebuild with fresh stamps
+            self._compact()
+
+    def _compact(self) -> None:
+        keep = list(self.lru())
+        base = self._base + len(self._q)
+        cached = self.cached
+        for j, h in enumerate(keep):
+            cached[h] = -(base + j)
+        self._q, self._base, self._head = keep, base, 0
 
     def clear(self) -> None:
         """Drop every unreferenced cached block, GPU and host (vLLM's reset_prefix_cache)."""
         meta = self.meta
-        for h in list(self.lru):
+        for h in list(self.lru()):
             del self.cached[h]
             if meta is not None:
                 del meta[h]
-        self.free_plain += len(self.lru)
-        self.lru.clear()
+        self.free_plain += self.n_lru
+        self.n_lru = 0
+        self._base += len(self._q)
+        self._q, self._head = [], 0
         self.host.clear()
         if self.events is not None:
             self.events.append(AllBlocksCleared())
