@@ -175,8 +175,7 @@ class KVCache:
         """Reference the first ``n`` cached blocks of a prefix (they leave the LRU)."""
         cached = self.cached
         left = 0
-        for i in range(n):
-            h = hashes[i]
+        for h in hashes[:n]:
             r = cached[h]
             if r <= 0:
                 cached[h] = 1
@@ -192,9 +191,9 @@ class KVCache:
         cached = self.cached
         if first >= upto:
             return []
-        run = hashes[first:upto]
-        if cached.keys().isdisjoint(run) and len(set(run)) == len(run):  # all new: the common prefill
-            cached.update(dict.fromkeys(run, 1))
+        fresh = dict.fromkeys(hashes[first:upto], 1)
+        if len(fresh) == upto - first and cached.keys().isdisjoint(fresh):  # all new: the common prefill
+            cached.update(fresh)
             return list(range(first, upto))
         new: list[int] = []
         shared = left = 0
@@ -222,8 +221,7 @@ class KVCache:
         add = q.append
         stamp = self._base + len(q)
         first = stamp
-        for i in range(n - 1, -1, -1):
-            h = hashes[i]
+        for h in reversed(hashes[:n]):
             r = cached[h]
             if r > 1:
                 cached[h] = r - 1

@@ -144,10 +144,11 @@ class SimCluster:
     # --- engine outcomes ----------------------------------------------------------------
     def _on_step(self, inst: SimInstance, res: StepResult) -> None:
         end, live = res.end, self._live
-        for rid, _tok in res.emitted:
-            r = live.get(rid)
-            if r is not None and r.decode is inst:  # the prefill leg's single token is not the client's
-                r.lc.token(end)
+        if inst.role is not Role.PREFILL:  # the prefill leg's single token is not the client's
+            for rid, _tok in res.emitted:
+                r = live.get(rid)
+                if r is not None and r.decode is inst:
+                    r.lc.token(end)
         for f in res.finished:
             r = live.get(f.request_id)
             if r is None:
