@@ -171,6 +171,25 @@ class KVCache:
             n += 1
         return n - start
 
+    def acquire_prefix(self, hashes: list[int], limit: int) -> int:
+        """``match_gpu`` and ``acquire`` in one walk: reference the leading cached blocks (at most
+        ``limit``) and return how many there are."""
+        cached = self.cached
+        get = cached.get
+        left = n = 0
+        for h in hashes[:limit]:
+            r = get(h)
+            if r is None:
+                break
+            if r <= 0:
+                cached[h] = 1
+                left += 1
+            else:
+                cached[h] = r + 1
+            n += 1
+        self.n_lru -= left
+        return n
+
     def acquire(self, hashes: list[int], n: int) -> None:
         """Reference the first ``n`` cached blocks of a prefix (they leave the LRU)."""
         cached = self.cached

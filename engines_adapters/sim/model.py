@@ -472,13 +472,12 @@ class EngineModel:
         limit = (s.num_tokens - 1) // bs
         if len(s.hashes) < limit:
             limit = len(s.hashes)
-        g = kv.match_gpu(s.hashes, limit)
+        g = kv.acquire_prefix(s.hashes, limit)  # the hits are referenced at once (both paths keep them)
         remote = s.remote_kv and not s.remote_done
         # a remote pull brings everything beyond the device hits: host copies are not used (nor counted)
         hh = kv.match_host(s.hashes, g, limit) if kv.host_capacity and not remote else 0
         if remote or hh:
             need = (-(-s.P // bs) - g) if remote else hh
-            kv.acquire(s.hashes, g)
             if not kv.alloc(need):
                 kv.release(s.hashes, g, 0)
                 return _BLOCKED
@@ -510,7 +509,6 @@ class EngineModel:
                 s.scheduled = now
             heapq.heappush(self._loading, (ready, next(self._tie), s))
             return _LOADING
-        kv.acquire(s.hashes, g)
         s.nb = g
         s.n_alloc = g
         s.cap = g * bs
