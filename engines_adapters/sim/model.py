@@ -252,7 +252,8 @@ class EngineModel:
     def step(self, now: float) -> StepResult:
         """Schedule and 'run' one batch starting at ``now``; see the module docstring."""
         res = StepResult(start=now)
-        self._run_timers(now, res)
+        if self._loading or self._held_order:
+            self._run_timers(now, res)
         kv = self.kv
         bs = self.block_size
         budget = self.max_num_batched_tokens
