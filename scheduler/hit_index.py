@@ -178,6 +178,11 @@ class HitIndex:
         bit = self._bits[slot]
         table = self._tiers[tier]
         if self.trust_event_hashes:  # engine hash == index hash: no mapping to keep
+            fresh = dict.fromkeys(ours, bit)
+            if table.keys().isdisjoint(fresh):  # nobody holds any of them yet: one bulk insert
+                table.update(fresh)
+                counts[tier] += len(fresh)
+                return True
             tget = table.get
             added = multi = 0
             for h in ours:

@@ -351,3 +351,20 @@ def test_kv_pool_lru_order_matches_an_ordered_dict(seed):
         assert list(kv.lru()) == list(lru) and kv.n_lru == len(lru)
         assert {h: max(r, 0) for h, r in kv.cached.items()} == ref and kv.free_plain == free
     assert kv.evictions > 100
+
+
+def test_step_duration_is_exactly_the_sum_of_its_operator_terms():
+    """duration() inlines linear() and allreduce() for speed: bit for bit the same sum."""
+    from engines_adapters.sim.profiles import profile_names
+    from engines_adapters.sim.timing import StepTimer
+
+    rng = random.Random(0)
+    for name in profile_names():
+        t = StepTimer(load_profile(name))
+        for _ in range(2000):
+            tok = rng.randrange(1, 9000)
+            seqs = rng.randrange(1, min(tok, 256) + 1)
+            ctx, kv = rng.random() * 1e8, rng.randrange(0, 10**7)
+            assert t.duration(tok, seqs, ctx, kv) == (t._overhead + t.linear(tok, seqs)
+                                                      + ctx * t._attn_flops_per_ctx / t._attn_rate
+                                                      + kv * t._kv_bytes / t._kv_rate + t.allreduce(tok))
