@@ -79,8 +79,9 @@ class HitIndex:
 
     def __init__(self, block_size: int, max_blocks: int = DEFAULT_MAX_BLOCKS, trust_event_hashes: bool = False):
         """``trust_event_hashes``: events name blocks by this index's own chained hash already (the
-        simulator's engines do), so their token ids need not be hashed again. Live engines name
-        blocks by their own recipe and seed: never set it for them."""
+        simulator's engines do), so their token ids need not be hashed again, and no engine-hash
+        mapping is kept (it would be the identity: an instance knows a block while a tier holds
+        it). Live engines name blocks by their own recipe and seed: never set it for them."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
@@ -152,17 +153,21 @@ class HitIndex:
             return False
         try:
             n = len(block_hashes)
-            if len(token_ids) != n * block_size or not all(isinstance(e, int) for e in block_hashes):
+            if len(token_ids) != n * block_size or not all(map(isinstance, block_hashes, repeat(int))):
                 return False
             emap = self._engine[instance_id]
             parent = None
-            if parent_block_hash is not None:
-                parent = emap.get(parent_block_hash)
-                if parent is None:
-                    return False
             if self.trust_event_hashes:
+                if parent_block_hash is not None:
+                    bit = self._bits[slot]
+                    if not any(t.get(parent_block_hash, 0) & bit for t in self._tiers):
+                        return False
                 ours = list(block_hashes)
             else:
+                if parent_block_hash is not None:
+                    parent = emap.get(parent_block_hash)
+                    if parent is None:
+                        return False
                 ours = index_block_hashes(token_ids, block_size, parent=parent)
         except (TypeError, ValueError, OverflowError):
             return False
@@ -172,6 +177,27 @@ class HitIndex:
             return False
         bit = self._bits[slot]
         table = self._tiers[tier]
+        if self.trust_event_hashes:  # engine hash == index hash: no mapping to keep
+            fresh = dict.fromkeys(ours, bit)
+            if table.keys().isdisjoint(fresh):  # nobody holds any of them yet: one bulk insert
+                table.update(fresh)
+                counts[tier] += len(fresh)
+                return True
+            tget = table.get
+            added = multi = 0
+            for h in ours:
+                mask = tget(h, 0)
+                if not mask & bit:
+                    if mask:
+                        table[h] = mask | bit
+                        if not mask & (mask - 1):
+                            multi += 1
+                    else:
+                        table[h] = bit
+                    added += 1
+            counts[tier] += added
+            self._multi += multi
+            return True
         for engine_hash, h in zip(block_hashes, ours, strict=True):
             old = emap.get(engine_hash)
             if old is not None and old != h:  # the engine reused a hash for other tokens
@@ -195,14 +221,43 @@ class HitIndex:
         if slot is None or tier is None:
             return False
         emap = self._engine[instance_id]
+        bit = self._bits[slot]
+        bits = self._bits
+        counts = self._counts[instance_id]
+        table = self._tiers[tier]
+        others = [t for k, t in enumerate(self._tiers) if k != tier and t]  # tiers that may still hold it
+        trust = self.trust_event_hashes
         consistent = True
-        try:
+        removed = 0
+        try:  # _forget for one tier, inlined (evictions come by the hundred thousand)
             for engine_hash in block_hashes:
-                h = emap.get(engine_hash)
-                if h is None or not self._forget(instance_id, slot, engine_hash, h, tiers=(tier,)):
+                if trust:  # not held in this tier: inconsistent (below), as an unknown block is
+                    h = engine_hash
+                else:
+                    got = emap.get(engine_hash)
+                    if got is None:
+                        consistent = False
+                        continue
+                    h = got
+                mask = table.get(h, 0)
+                if mask & bit:
+                    removed += 1
+                    rest = mask & ~bit
+                    if not rest:
+                        del table[h]
+                    elif rest & (rest - 1):
+                        table[h] = rest  # still two or more holders
+                    else:
+                        table[h] = bits[rest.bit_length() - 1]
+                        self._multi -= 1
+                else:
                     consistent = False
+                if not trust and (not others or not any(t.get(h, 0) & bit for t in others)):
+                    emap.pop(engine_hash, None)
         except TypeError:  # unhashable ids
+            counts[tier] -= removed
             return False
+        counts[tier] -= removed
         return consistent
 
     def all_cleared(self, instance_id: str) -> None:
@@ -239,6 +294,13 @@ class HitIndex:
         keep: dict[int, int] = {}
         counts = self._counts[instance_id]
         cleared = set(tiers)
+        if self.trust_event_hashes:  # no mapping: walk the tiers (a rare event)
+            for tier in tiers:
+                table = self._tiers[tier]
+                for h, mask in [(h, m) for h, m in table.items() if m & bit]:
+                    self._set_rest(table, h, mask & ~bit)
+                counts[tier] = 0
+            return
         for engine_hash, h in self._engine[instance_id].items():
             for tier in tiers:
                 table = self._tiers[tier]

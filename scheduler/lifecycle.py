@@ -43,6 +43,7 @@ class Phase(StrEnum):
     REJECTED = "rejected"
 
 
+_STREAMING = Phase.STREAMING
 _TERMINAL = (Phase.FINISHED, Phase.REJECTED)
 _RETRYABLE = (Phase.ARRIVED, Phase.PLACED, Phase.PREFILLING, Phase.HANDED_OVER)
 
@@ -146,6 +147,9 @@ class RequestLifecycle:
     def token(self, t: float | None = None) -> None:
         """One token chunk reached the gateway at ``t`` (now by default); the first one moves to
         STREAMING, after which the request can no longer be retried."""
+        if self.phase is _STREAMING:  # the per-token path (a simulation makes millions of calls)
+            self.record.token_times.append(self.clock() if t is None else t)
+            return
         self._expect("token", Phase.HANDED_OVER, Phase.STREAMING)
         rec = self.record
         now = self.clock() if t is None else t

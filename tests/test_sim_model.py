@@ -256,11 +256,13 @@ def test_random_workloads_keep_the_block_accounting_exact(seed):
         r = e.step(now)
         now = r.end if not r.idle else now + 0.01
         kv = e.kv
-        referenced = [b for b in kv.cached.values() if b.ref > 0]
-        assert all(b.ref >= 0 for b in kv.cached.values())
-        assert set(kv.lru) == {h for h, b in kv.cached.items() if b.ref == 0}
+        referenced = [h for h, ref in kv.cached.items() if ref > 0]
+        lru = list(kv.lru())
+        assert len(lru) == len(set(lru)) == kv.n_lru
+        assert set(lru) == {h for h, ref in kv.cached.items() if ref <= 0}
         assert len(kv.host) <= kv.host_capacity
-        private = sum(s.n_alloc - len(s.blocks) for s in e._seqs.values())
+        assert kv.meta is None or set(kv.meta) == set(kv.cached)
+        private = sum(s.n_alloc - s.nb for s in e._seqs.values())
         assert kv.free_plain + len(kv.cached) + private == kv.capacity, "blocks leaked or double counted"
         assert len(referenced) <= kv.capacity
     _, _, now = drain(e, now)
@@ -285,3 +287,84 @@ def test_output_that_would_outgrow_the_cache_is_refused_not_hung():
         if not m.has_work():
             break
     assert emitted == 20 and not m.has_work()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_kv_pool_lru_order_matches_an_ordered_dict(seed):
+    """The pool's lazy-deletion LRU evicts exactly what an OrderedDict LRU would (trimming and
+    re-stamping forced often by a tiny slack)."""
+    from collections import OrderedDict
+
+    from engines_adapters.sim.kv_cache import KVCache
+
+    rng = random.Random(seed)
+    kv = KVCache(40, BS)
+    kv.slack = rng.choice([0, 1, 3])
+    ref: dict[int, int] = {}
+    lru: OrderedDict[int, None] = OrderedDict()
+    free = 40
+    held: list[tuple[list[int], int]] = []
+    for _ in range(3000):
+        if held and rng.random() < 0.45:  # a sequence ends
+            hashes, n = held.pop(rng.randrange(len(held)))
+            kv.release(hashes, n, 0)
+            for h in reversed(hashes[:n]):
+                ref[h] -= 1
+                if ref[h] == 0:
+                    lru[h] = None
+        else:  # a sequence takes a prefix of one of a few chains (shared heads) and commits more
+            chain = [rng.randrange(8) * 1000 + k for k in range(12)]
+            g = kv.match_gpu(chain, 12)
+            assert g == next((k for k, h in enumerate(chain) if h not in ref), 12)
+            upto = min(12, g + rng.randrange(0, 5))
+            kv.acquire(chain, g)  # as the engine: reference the hits, then allocate the rest
+            for h in chain[:g]:
+                if ref[h] == 0:
+                    del lru[h]
+                ref[h] += 1
+            if not kv.alloc(upto - g):
+                assert upto - g > free + len(lru)
+                kv.release(chain, g, 0)
+                for h in reversed(chain[:g]):
+                    ref[h] -= 1
+                    if ref[h] == 0:
+                        lru[h] = None
+                continue
+            take = min(upto - g, free)
+            free -= take
+            for _ in range(upto - g - take):
+                h, _ = lru.popitem(last=False)
+                del ref[h]
+            want = []
+            for k in range(g, upto):  # a block whose content is cached already is shared
+                h = chain[k]
+                if h in ref:
+                    if ref[h] == 0:
+                        del lru[h]
+                    ref[h] += 1
+                    free += 1
+                else:
+                    ref[h] = 1
+                    want.append(k)
+            assert kv.commit_many(chain, g, upto) == want
+            held.append((chain, upto))
+        assert list(kv.lru()) == list(lru) and kv.n_lru == len(lru)
+        assert {h: max(r, 0) for h, r in kv.cached.items()} == ref and kv.free_plain == free
+    assert kv.evictions > 100
+
+
+def test_step_duration_is_exactly_the_sum_of_its_operator_terms():
+    """duration() inlines linear() and allreduce() for speed: bit for bit the same sum."""
+    from engines_adapters.sim.profiles import profile_names
+    from engines_adapters.sim.timing import StepTimer
+
+    rng = random.Random(0)
+    for name in profile_names():
+        t = StepTimer(load_profile(name))
+        for _ in range(2000):
+            tok = rng.randrange(1, 9000)
+            seqs = rng.randrange(1, min(tok, 256) + 1)
+            ctx, kv = rng.random() * 1e8, rng.randrange(0, 10**7)
+            assert t.duration(tok, seqs, ctx, kv) == (t._overhead + t.linear(tok, seqs)
+                                                      + ctx * t._attn_flops_per_ctx / t._attn_rate
+                                                      + kv * t._kv_bytes / t._kv_rate + t.allreduce(tok))

@@ -42,7 +42,7 @@ _READY, _LOADING, _BLOCKED = range(3)
 
 class _Seq:
     __slots__ = ("rid", "prompt", "P", "max_tokens", "target", "hold_kv", "remote_kv", "remote_done",
-                 "hashes", "blocks", "n_alloc", "cap", "computed", "num_out", "out_off", "state",
+                 "hashes", "nb", "n_alloc", "cap", "computed", "num_out", "out_off", "state",
                  "looked_up", "arrival", "scheduled", "first_token", "cached_tokens", "transfer_s",
                  "preemptions", "load_kind", "load_hits", "load_start", "hold_expires", "decoding", "loaded",
                  "lookup_hits")
@@ -57,7 +57,7 @@ class _Seq:
         self.remote_kv = req.remote_kv
         self.remote_done = False
         self.hashes = hashes
-        self.blocks: list[Block] = []
+        self.nb = 0  # full blocks held: the first nb of hashes (cached, referenced)
         self.n_alloc = 0
         self.cap = 0
         self.computed = 0
@@ -108,7 +108,10 @@ class EngineModel:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len or profile.max_model_len
         cap_tokens = profile.kv_capacity_tokens if kv_capacity_tokens is None else kv_capacity_tokens
-        self.kv = KVCache(cap_tokens // block_size, block_size, host_tier_tokens // block_size, kv_events)
+        host_blocks = host_tier_tokens // block_size
+        # per-block event metadata only where a hash is not the event id or an offload repeats it
+        self.kv = KVCache(cap_tokens // block_size, block_size, host_blocks, kv_events,
+                          meta=event_hashes != "index" or host_blocks > 0)
         # a sequence longer than the whole cache could never finish (vLLM refuses such a
         # max_model_len at start-up): clamp, so the API answers 400 instead of a hang
         self.max_model_len = min(self.max_model_len, self.kv.capacity * block_size)
@@ -171,7 +174,8 @@ class EngineModel:
         if -(-(P + target) // bs) > self.kv.capacity:
             raise ValueError(f"prompt of {P} tokens plus {target} output tokens needs more KV blocks than the "
                              f"cache holds ({self.kv.capacity} blocks of {bs})")
-        s = _Seq(req, now, block_hashes(req.prompt, bs), off, max(1, target))
+        hashes = block_hashes(req.prompt, bs) if req.block_hashes is None else list(req.block_hashes)
+        s = _Seq(req, now, hashes, off, max(1, target))
         self._seqs[rid] = s
         self._waiting.append(s)
 
@@ -248,7 +252,8 @@ class EngineModel:
     def step(self, now: float) -> StepResult:
         """Schedule and 'run' one batch starting at ``now``; see the module docstring."""
         res = StepResult(start=now)
-        self._run_timers(now, res)
+        if self._loading or self._held_order:
+            self._run_timers(now, res)
         kv = self.kv
         bs = self.block_size
         budget = self.max_num_batched_tokens
@@ -340,7 +345,7 @@ class EngineModel:
                 s.n_alloc += max(0, need)
                 s.cap = s.n_alloc * bs
                 s.computed = c0 + n
-                if (c0 + n) // bs > len(s.blocks):
+                if (c0 + n) // bs > s.nb:
                     self._commit(s, (c0 + n) // bs)
                 s.state = RUNNING
                 if s.scheduled is None:
@@ -410,8 +415,8 @@ class EngineModel:
             self._free(s)
 
     def _free(self, s: _Seq) -> None:
-        self.kv.release(s.blocks, s.n_alloc - len(s.blocks))
-        s.blocks = []
+        self.kv.release(s.hashes, s.nb, s.n_alloc - s.nb)
+        s.nb = 0
         s.n_alloc = 0
         s.cap = 0
         s.computed = 0
@@ -430,7 +435,7 @@ class EngineModel:
             s.n_alloc += need
             s.cap = s.n_alloc * bs
         s.computed = c1
-        if c1 // bs > len(s.blocks):
+        if c1 // bs > s.nb:
             self._commit(s, c1 // bs)
         return True
 
@@ -468,18 +473,17 @@ class EngineModel:
         limit = (s.num_tokens - 1) // bs
         if len(s.hashes) < limit:
             limit = len(s.hashes)
-        g = kv.match_gpu(s.hashes, limit)
+        g = kv.acquire_prefix(s.hashes, limit)  # the hits are referenced at once (both paths keep them)
         remote = s.remote_kv and not s.remote_done
         # a remote pull brings everything beyond the device hits: host copies are not used (nor counted)
         hh = kv.match_host(s.hashes, g, limit) if kv.host_capacity and not remote else 0
         if remote or hh:
             need = (-(-s.P // bs) - g) if remote else hh
-            blocks = kv.acquire(s.hashes, g)
             if not kv.alloc(need):
-                kv.release(blocks, 0)
+                kv.release(s.hashes, g, 0)
                 return _BLOCKED
             self._waiting.popleft()
-            s.blocks = blocks
+            s.nb = g
             s.n_alloc = g + need
             s.cap = s.n_alloc * bs
             s.computed = g * bs
@@ -506,7 +510,7 @@ class EngineModel:
                 s.scheduled = now
             heapq.heappush(self._loading, (ready, next(self._tie), s))
             return _LOADING
-        s.blocks = kv.acquire(s.hashes, g)
+        s.nb = g
         s.n_alloc = g
         s.cap = g * bs
         s.computed = g * bs
@@ -557,53 +561,68 @@ class EngineModel:
         return out
 
     def _commit(self, s: _Seq, upto: int) -> None:
-        """Cache the sequence's full blocks ``len(s.blocks)..upto`` (content now computed)."""
+        """Cache the sequence's full blocks ``s.nb..upto`` (content now computed)."""
         kv = self.kv
         bs = self.block_size
         hashes = s.hashes
-        first = len(s.blocks)
+        first = s.nb
         for bi in range(max(first, len(hashes)), upto):  # output blocks: extend the chain
             hashes.append(block_hashes(self._tokens(s, bi * bs, (bi + 1) * bs), bs, hashes[bi - 1] if bi else None)[0])
-        new = kv.commit_many(hashes[first:upto], s.blocks)
+        if upto <= first:
+            return
+        new = kv.commit_many(hashes, first, upto)
+        s.nb = upto
         if new and kv.events is not None:
-            self._stored(s, [first + i for i in new])
+            self._stored(s, new)
 
     def _stored(self, s: _Seq, idxs: list[int]) -> None:
-        """BlockStored events (vLLM sha256 ids) for newly cached blocks, one per contiguous run."""
+        """BlockStored events for newly cached blocks (offsets ``idxs`` of the sequence's chain),
+        one per contiguous run; named by vLLM sha256 ids, or by the chained hash ("index")."""
         bs = self.block_size
-        keep_tokens = self.kv.host_capacity > 0
-        run_start = idxs[0]
-        prev = idxs[0] - 1
-        for k, bi in enumerate(idxs + [None]):
-            if bi is not None and bi == prev + 1 and k > 0:
-                prev = bi
+        kv = self.kv
+        meta = kv.meta
+        keep_tokens = kv.host_capacity > 0
+        hashes_all = s.hashes
+        events = kv.events
+        assert events is not None
+        for a, b in _runs(idxs):
+            tokens = self._tokens(s, a * bs, b * bs)
+            if meta is None:  # index ids, no host tier: a block's id is its hash
+                events.append(BlockStored(
+                    block_hashes=hashes_all[a:b], parent_block_hash=hashes_all[a - 1] if a else None,
+                    token_ids=tokens, block_size=bs, lora_id=None, medium=MEDIUM_GPU, lora_name=None))
                 continue
-            if k > 0:
-                a, b = run_start, prev + 1
-                parent = s.blocks[a - 1] if a else None
-                tokens = self._tokens(s, a * bs, b * bs)
-                parent_vh = parent.vh if parent else None
-                hashes = []
-                if self._index_ids:
-                    for off in range(b - a):
-                        blk = s.blocks[a + off]
-                        blk.vh = blk.h
-                        blk.parent_vh = parent_vh if off == 0 else hashes[-1]
-                        if keep_tokens:
-                            blk.tokens = tuple(tokens[off * bs:(off + 1) * bs])
-                        hashes.append(blk.h)
-                else:
-                    digests = vllm_block_digests(tokens, bs, parent=parent.vdigest if parent else self._none_digest)
-                    for off, d in enumerate(digests):
-                        blk = s.blocks[a + off]
-                        blk.vdigest = d
-                        blk.vh = digest_to_int(d)
-                        blk.parent_vh = parent_vh if off == 0 else hashes[-1]
-                        if keep_tokens:
-                            blk.tokens = tuple(tokens[off * bs:(off + 1) * bs])
-                        hashes.append(blk.vh)
-                self.kv.events.append(BlockStored(
-                    block_hashes=hashes, parent_block_hash=parent_vh, token_ids=tokens, block_size=bs,
-                    lora_id=None, medium=MEDIUM_GPU, lora_name=None))
-            if bi is not None:
-                run_start = prev = bi
+            parent = meta[hashes_all[a - 1]] if a else None
+            parent_vh = parent.vh if parent else None
+            hashes: list[int] = []
+            if self._index_ids:
+                for off in range(b - a):
+                    h = hashes_all[a + off]
+                    meta[h] = Block(h, None, parent_vh if off == 0 else hashes[-1],
+                                    tuple(tokens[off * bs:(off + 1) * bs]) if keep_tokens else None)
+                    hashes.append(h)
+            else:
+                digests = vllm_block_digests(tokens, bs, parent=parent.vdigest if parent else self._none_digest)
+                for off, d in enumerate(digests):
+                    vh = digest_to_int(d)
+                    meta[hashes_all[a + off]] = Block(vh, d, parent_vh if off == 0 else hashes[-1],
+                                                      tuple(tokens[off * bs:(off + 1) * bs]) if keep_tokens else None)
+                    hashes.append(vh)
+            events.append(BlockStored(
+                block_hashes=hashes, parent_block_hash=parent_vh, token_ids=tokens, block_size=bs,
+                lora_id=None, medium=MEDIUM_GPU, lora_name=None))
+
+
+def _runs(idxs: list[int]) -> list[tuple[int, int]]:
+    """Contiguous runs ``[a, b)`` of sorted offsets."""
+    if idxs[-1] - idxs[0] + 1 == len(idxs):
+        return [(idxs[0], idxs[-1] + 1)]
+    out = []
+    a = prev = idxs[0]
+    for i in idxs[1:]:
+        if i != prev + 1:
+            out.append((a, prev + 1))
+            a = i
+        prev = i
+    out.append((a, prev + 1))
+    return out

@@ -12,6 +12,9 @@ class SimRequest:
     ``hold_kv``: prefill side of PD: emit one token, then hold the KV until released or expired.
     ``remote_kv``: decode side of PD: the prompt's KV is pulled from a prefill instance (the
     transfer is modelled at the network bandwidth) instead of computed.
+    ``block_hashes``: the prompt's chained block hashes at the engine's block size
+    (``scheduler.hashing.block_hashes(prompt, block_size)``) when the caller has them already
+    (the simulator: the gateway hashed the prompt to place it); ``None``: the engine hashes it.
     """
 
     request_id: str
@@ -20,6 +23,7 @@ class SimRequest:
     output_len: int | None = None
     hold_kv: bool = False
     remote_kv: bool = False
+    block_hashes: list[int] | None = None
 
 
 @dataclass(slots=True)

@@ -27,7 +27,7 @@ class StepTimer:
 
     __slots__ = ("matmul_params", "lm_head_params", "_flops_rate", "_bytes_rate", "_attn_rate", "_kv_rate",
                  "_weight_bytes", "_p", "_attn_flops_per_ctx", "_kv_bytes", "_ar_count", "_ar_latency",
-                 "_ar_bw", "_ar_bytes_per_token", "_overhead")
+                 "_ar_bw", "_ar_bytes_per_token", "_overhead", "_memory", "_memory_p", "_inv_p")
 
     def __init__(self, profile: Profile):
         m, hw, eff = profile.model, profile.hardware, profile.efficiency
@@ -57,6 +57,10 @@ class StepTimer:
         self._ar_bw = bus * gpus / (2 * (gpus - 1)) if gpus > 1 else float("inf")
         self._ar_bytes_per_token = hidden * m["dtype_bytes"]
         self._overhead = eff.get("step_overhead_ms", 1.0) * 1e-3
+        # constants of the per-step formula, computed once (the same floats linear() computes)
+        self._memory = self._weight_bytes / self._bytes_rate
+        self._memory_p = self._memory**self._p
+        self._inv_p = 1.0 / self._p
 
     def linear(self, tokens: int, seqs: int, lm_head: bool = True) -> float:
         """Linear layers for ``tokens`` new tokens, of which ``seqs`` are sampled (LM head;
@@ -89,10 +93,20 @@ class StepTimer:
         """
         if tokens <= 0:
             return 0.0
-        return (self._overhead + self.linear(tokens, seqs)
+        # linear(tokens, seqs) and allreduce(tokens) inlined, operation for operation
+        compute = 2.0 * (self.matmul_params * tokens + self.lm_head_params * seqs) / self._flops_rate
+        p = self._p
+        if p >= 64:
+            memory = self._memory
+            lin = compute if compute > memory else memory
+        else:
+            lin = (compute**p + self._memory_p) ** self._inv_p
+        ar = (self._ar_count * (self._ar_latency + tokens * self._ar_bytes_per_token / self._ar_bw)
+              if self._ar_count else 0.0)
+        return (self._overhead + lin
                 + prefill_ctx * self._attn_flops_per_ctx / self._attn_rate
                 + decode_kv_tokens * self._kv_bytes / self._kv_rate
-                + self.allreduce(tokens))
+                + ar)
 
 
 def chunk_ctx(start: int, n: int) -> float:

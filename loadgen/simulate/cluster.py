@@ -65,10 +65,11 @@ class SchedulerSpec:
 
 
 class _Live:
-    __slots__ = ("lc", "tokens", "max_tokens", "output_len", "prefill", "decode")
+    __slots__ = ("lc", "tokens", "hashes", "max_tokens", "output_len", "prefill", "decode")
 
-    def __init__(self, lc: RequestLifecycle, tokens: list[int], max_tokens: int, output_len: int | None):
-        self.lc, self.tokens, self.max_tokens, self.output_len = lc, tokens, max_tokens, output_len
+    def __init__(self, lc: RequestLifecycle, tokens: list[int], hashes: list[int], max_tokens: int,
+                 output_len: int | None):
+        self.lc, self.tokens, self.hashes, self.max_tokens, self.output_len = lc, tokens, hashes, max_tokens, output_len
         self.prefill: SimInstance | None = None
         self.decode: SimInstance | None = None
 
@@ -116,16 +117,16 @@ class SimCluster:
         d = lc.decide(facts)
         if isinstance(d, Rejection):
             return
-        live = self._live[rid] = _Live(lc, tokens, max_tokens, output_len)
+        live = self._live[rid] = _Live(lc, tokens, facts.block_hashes, max_tokens, output_len)
         try:
             if d.prefill == d.decode:  # a colocated instance serves the whole request
                 lc.handed_over()
                 live.decode = self.instances[d.decode]
-                live.decode.add(SimRequest(rid, tokens, max_tokens, output_len=output_len))
+                live.decode.add(SimRequest(rid, tokens, max_tokens, output_len=output_len, block_hashes=live.hashes))
             else:
                 lc.prefill_started()
                 live.prefill = self.instances[d.prefill]
-                live.prefill.add(SimRequest(rid, tokens, 1, output_len=1, hold_kv=True))
+                live.prefill.add(SimRequest(rid, tokens, 1, output_len=1, hold_kv=True, block_hashes=live.hashes))
         except ValueError as e:  # the engine refuses it (e.g. longer than its context): a 400
             lc.finish("error", 400, f"engine_refused: {e}")
 
@@ -145,10 +146,11 @@ class SimCluster:
     # --- engine outcomes ----------------------------------------------------------------
     def _on_step(self, inst: SimInstance, res: StepResult) -> None:
         end, live = res.end, self._live
-        for rid, _tok in res.emitted:
-            r = live.get(rid)
-            if r is not None and r.decode is inst:  # the prefill leg's single token is not the client's
-                r.lc.token(end)
+        if inst.role is not Role.PREFILL:  # the prefill leg's single token is not the client's
+            for rid, _tok in res.emitted:
+                r = live.get(rid)
+                if r is not None and r.decode is inst:
+                    r.lc.token(end)
         for f in res.finished:
             r = live.get(f.request_id)
             if r is None:
@@ -158,7 +160,8 @@ class SimCluster:
                 d = self.instances[r.lc.placement.decode]  # type: ignore[union-attr]
                 r.decode = d
                 try:
-                    d.add(SimRequest(f.request_id, r.tokens, r.max_tokens, output_len=r.output_len, remote_kv=True))
+                    d.add(SimRequest(f.request_id, r.tokens, r.max_tokens, output_len=r.output_len, remote_kv=True,
+                                     block_hashes=r.hashes))
                 except ValueError as e:
                     inst.model.release_kv(f.request_id)
                     r.lc.finish("error", 400, f"engine_refused: {e}")

@@ -36,12 +36,17 @@ class EventLoop:
         """Run events until none is left (or the next is after ``until``); ``on_tick`` every
         ``tick_every`` events (progress reporting)."""
         q, pop = self._queue, heapq.heappop
+        horizon = float("inf") if until is None else until
+        tick = tick_every if on_tick is not None else -1  # counts down to the next on_tick
         while q:
-            if until is not None and q[0][0] > until:
+            if q[0][0] > horizon:
                 break
             t, _, fn, args = pop(q)
             self.now = t
             fn(*args)
             self.events += 1
-            if on_tick is not None and self.events % tick_every == 0:
-                on_tick()
+            tick -= 1
+            if not tick:
+                tick = tick_every
+                if on_tick is not None:
+                    on_tick()
