@@ -103,10 +103,11 @@ def plot_compare(summary: dict[str, Any], path: str) -> None:
                       [load_label(summary["load_kind"], x) for x in loads])
         ax.set_ylabel(name)
         ax.grid(alpha=0.3, axis="y")
-    a1.legend(fontsize=8)
+    handles, labels = a1.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", bbox_to_anchor=(0.5, -0.06), ncol=5, fontsize=8, frameon=False)
     fig.suptitle("Policies side by side (same simulated cluster, same workload)", fontsize=11)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 
