@@ -31,7 +31,9 @@ def _bench():
 
 B = _bench()
 # admission off on both sides: placement is compared, attainment measured against the binding SLO
-SLICE = B.Slice(limit=60, speedup=8.0, time_scale=4.0, slo_ttft_ms=2000.0, slo_tbt_ms=100.0, admission=False)
+# at 4x the prefill queues stay short: fewer near-ties for live timing to flip (at 8x on a loaded
+# machine one flip early on can send the rest of the run down another, equally balanced, path)
+SLICE = B.Slice(limit=60, speedup=4.0, time_scale=4.0, slo_ttft_ms=2000.0, slo_tbt_ms=100.0, admission=False)
 
 
 @pytest.fixture(scope="module")
