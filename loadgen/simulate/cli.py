@@ -66,6 +66,9 @@ def build_parser() -> Parser:
     s.add_argument("--predictors", default="analytic",
                    help="analytic (public facts), oracle (the engine model's own timing: the upper bound)")
     s.add_argument("--early-rejection", action="store_true", help="admit on decode load predicted at prefill end")
+    s.add_argument("--late-rejection", action="store_true",
+                   help="no early rejection (the paper's baseline): the decode side checks the TBT SLO after "
+                        "the prefill, on the load it has then; a refusal wastes the prefill")
     o = p.add_argument_group("outputs")
     o.add_argument("--telemetry", metavar="PATH", help="also write every request's record (with token times) here")
     o.add_argument("--keep-token-times", action="store_true", help="write every token time to requests.jsonl")
@@ -114,6 +117,8 @@ def main(argv: list[str]) -> int:
     if a.predictors not in ("analytic", "oracle") and a.predictors not in predictor_names():
         raise CLIError(f"unknown predictors {a.predictors!r}; known: analytic, oracle "
                        "(learned predictors from a directory are not built yet)")
+    if a.early_rejection and a.late_rejection:
+        raise CLIError("--early-rejection and --late-rejection exclude each other")
     policies, params = _policies(a)
     _check_out(a.out)
     w = workload_from_args(a, log)
@@ -123,6 +128,7 @@ def main(argv: list[str]) -> int:
                           engine={"max_num_batched_tokens": a.max_num_batched_tokens, "max_num_seqs": a.max_num_seqs,
                                   "host_tier_tokens": a.host_tier_tokens})
     sched = SchedulerSpec(policy=policies[0], policy_params=params, slo=w.slo, early_rejection=a.early_rejection,
+                          late_rejection=a.late_rejection,
                           seed=a.seed)
     cfg = SimConfig(base=w.base, cluster=cluster, scheduler=sched, policies=policies, slo=w.slo,
                     load_kind=w.load_kind, loads=w.loads, attainment_target=a.attainment_target, arrival=a.arrival,
