@@ -24,7 +24,7 @@ from loadgen.simulate.report import capacity_by_tbt  # noqa: E402
 from predictors.telemetry import SLO  # noqa: E402
 
 PAPER_GAIN = {"conversation": {100: 4.98, 200: 1.57, 300: 0.59}, "azure_code": {}}
-LOADS = {"conversation": "1,1.5,2,3,4", "azure_code": "2,4,8,12,16"}
+LOADS = {"conversation": "0.25,0.5,0.75,1,1.25,1.5,2", "azure_code": "1,2,4,8,16,24,32"}
 PLOT_TBT = tuple(range(50, 425, 25))
 
 DISCUSSION = """## Discussion
@@ -46,58 +46,76 @@ def main() -> None:
     p.add_argument("--prefill", type=int, default=8)
     p.add_argument("--decode", type=int, default=8)
     p.add_argument("--baseline", default="least_loaded", help="policy of the colocated cluster")
+    p.add_argument("--colocated-chunks", default="2048,8192",
+                   help="chunked-prefill token budgets of the colocated baseline, one sweep each")
     p.add_argument("--slo-ttft-s", type=float, default=30.0)
     p.add_argument("--workers", type=int, default=2)
     a = p.parse_args()
     both = a.prefill + a.decode
     slo = SLO(a.slo_ttft_s, 0.1)
     figs = C.DOCS / "capacity"
+    chunks = [int(x) for x in a.colocated_chunks.split(",") if x.strip()]
     sections, results = [], {}
     for trace in [t.strip() for t in a.traces.split(",") if t.strip()]:
         loads = floats(getattr(a, "loads_" + trace))
         base = C.load_trace(trace, a.limit)
         out = C.OUT / "capacity" / trace
-        pd = C.sweep(base, C.cluster(a.prefill, a.decode), ["conductor"], loads=loads, metric_slo=slo,
-                     workers=a.workers, out=out / "pd")
-        co = C.sweep(base, C.cluster(both=both), [a.baseline], loads=loads, metric_slo=slo, workers=a.workers,
-                     out=out / "colocated")
-        names = {"pd": f"conductor, {a.prefill}P+{a.decode}D", "co": f"{a.baseline}, {both} colocated (vLLM-like)"}
-        cap = {"pd": capacity_by_tbt(pd)["conductor"], "co": capacity_by_tbt(co)[a.baseline]}
-        fine = {"pd": capacity_by_tbt(pd, PLOT_TBT)["conductor"], "co": capacity_by_tbt(co, PLOT_TBT)[a.baseline]}
+        runs = {"pd": C.sweep(base, C.cluster(a.prefill, a.decode), ["conductor"], loads=loads, metric_slo=slo,
+                              workers=a.workers, out=out / "pd")}
+        names = {"pd": f"conductor, {a.prefill}P+{a.decode}D"}
+        for ch in chunks:
+            spec = C.cluster(both=both)
+            spec.engine["max_num_batched_tokens"] = ch
+            runs[f"co{ch}"] = C.sweep(base, spec, [a.baseline], loads=loads, metric_slo=slo, workers=a.workers,
+                                      out=out / f"colocated-{ch}")
+            names[f"co{ch}"] = f"{a.baseline}, {both} colocated, chunk {ch}"
+        cap = {k: next(iter(capacity_by_tbt(o).values())) for k, o in runs.items()}
+        fine = {k: next(iter(capacity_by_tbt(o, PLOT_TBT).values())) for k, o in runs.items()}
         rows, res = [], []
-        for r_pd, r_co in zip(cap["pd"], cap["co"], strict=True):
+        for i, r_pd in enumerate(cap["pd"]):
             ms = r_pd["tbt_ms"]
-            v_pd, v_co = r_pd["effective_capacity"]["value"], r_co["effective_capacity"]["value"]
-            gain = None if not v_pd or not v_co else v_pd / v_co - 1
+            v_pd = r_pd["effective_capacity"]["value"]
             paper = PAPER_GAIN[trace].get(ms)
-            rows.append([f"{ms} ms", describe(r_pd["effective_capacity"]), describe(r_co["effective_capacity"]),
-                         "-" if gain is None else f"{100 * gain:+.0f}%",
-                         "-" if paper is None else f"+{100 * paper:.0f}%",
-                         " / ".join(C.pct(x) for x in r_pd["attainment"]),
-                         " / ".join(C.pct(x) for x in r_co["attainment"])])
-            res.append({"tbt_ms": ms, "pd": r_pd, "colocated": r_co, "gain": gain, "paper_gain": paper})
+            row = [f"{ms} ms", describe(r_pd["effective_capacity"])]
+            gains = {}
+            for ch in chunks:
+                r_co = cap[f"co{ch}"][i]
+                v_co = r_co["effective_capacity"]["value"]
+                gains[ch] = None if not v_pd or not v_co else v_pd / v_co - 1
+                row += [describe(r_co["effective_capacity"]), gain_text(r_pd["effective_capacity"],
+                                                                        r_co["effective_capacity"])]
+            row.append("-" if paper is None else f"+{100 * paper:.0f}%")
+            rows.append(row)
+            res.append({"tbt_ms": ms, "pd": r_pd, "colocated": {ch: cap[f"co{ch}"][i] for ch in chunks},
+                        "gain": gains, "paper_gain": paper})
         results[trace] = {"loads": loads, "requests": len(base.requests), "span_s": base.span_s, "rows": res}
         plot_capacity(fine, names, figs / f"capacity_{trace}.png", trace, a.limit)
-        plot_attainment(pd, co, names, figs / f"attainment_{trace}.png", trace)
-        s_pd, s_co = pd.summary, co.summary
+        plot_attainment(runs, names, figs / f"attainment_{trace}.png", trace)
+        heads = ["TBT threshold", f"capacity: {names['pd']}"]
+        for ch in chunks:
+            heads += [f"capacity: colocated, chunk {ch}", f"gain vs chunk {ch}"]
+        heads.append("gain (paper)")
+        att = C.md_table(["system"] + [f"{x:g}x" for x in loads] + ["TTFT mean (s)", "TBT p90 (ms)", "prefix hit"],
+                         [[names[k]] + [" / ".join(C.pct(r["attainment"][j]) for r in cap[k])
+                                        for j in range(len(loads))]
+                          + [C.sec(o.summary["ttft_s"]["mean"]), C.sec(1000 * (o.summary["tbt_s"]["p90"] or 0), 0),
+                             C.pct(o.summary["cached_tokens"]["hit_ratio"])] for k, o in runs.items()])
         sections.append(f"""### {trace} (`{C.TRACES[trace].relative_to(C.ROOT)}`)
 
 First {len(base.requests)} requests ({base.span_s:.0f} s of trace time at 1x,
 {len(base.requests) / max(base.span_s, 1e-9):.2f} requests/s); speed-ups swept: {', '.join(f'{x:g}x' for x in loads)}.
 
-""" + C.md_table(["TBT threshold", f"capacity: {names['pd']}", f"capacity: {names['co']}", "gain (ours)",
-                  "gain (paper)", "attainment per speed-up, P/D", "attainment per speed-up, colocated"], rows) + f"""
-Over the whole sweep: TTFT mean {C.sec(s_pd['ttft_s']['mean'])} s (P/D) vs {C.sec(s_co['ttft_s']['mean'])} s
-(colocated); TBT p90 {C.sec(1000 * (s_pd['tbt_s']['p90'] or 0), 0)} ms vs
-{C.sec(1000 * (s_co['tbt_s']['p90'] or 0), 0)} ms;
-prefix hit {C.pct(s_pd['cached_tokens']['hit_ratio'])} vs {C.pct(s_co['cached_tokens']['hit_ratio'])}.
+""" + C.md_table(heads, rows) + """
+Effective requests per speed-up (at TBT 100 / 200 / 300 ms), and over the whole sweep the mean
+TTFT, TBT p90 and prefix-hit ratio:
 
+""" + att + f"""
 ![effective capacity vs TBT threshold, {trace}](capacity/capacity_{trace}.png)
 ![attainment vs speed-up, {trace}](capacity/attainment_{trace}.png)
 """)
     C.save_json(figs / "results.json", {"limit": a.limit, "profile": C.PROFILE, "baseline": a.baseline,
                                         "cluster": {"pd": [a.prefill, a.decode], "colocated": both},
-                                        "results": results})
+                                        "colocated_chunks": chunks, "results": results})
     gen = f"""
 **Command** (regenerates this block, the figures and results.json):
 
@@ -107,9 +125,10 @@ prefix hit {C.pct(s_pd['cached_tokens']['hit_ratio'])} vs {C.pct(s_co['cached_to
 
 **Setup.** `{C.PROFILE}` instances (LLaMA3-70B, 8 x A800 each): conductor on {a.prefill} prefill +
 {a.decode} decode instances against {both} colocated (`--both`) instances routed by `{a.baseline}`
-(the vLLM-like baseline: every instance prefills and decodes, with chunked prefill under an
-8192-token budget and prefix caching, as in vLLM). Same total GPUs, same requests, analytic
-predictors, no admission control (every request is served; the SLO is only measured). A request
+(the vLLM-like baseline: every instance prefills and decodes, with chunked prefill and prefix
+caching, as in vLLM; one sweep per chunked-prefill token budget: {a.colocated_chunks}). Same total
+GPUs, same requests, analytic predictors, no admission control (every request is served; the SLO
+is only measured). A request
 is *effective* when TTFT <= {a.slo_ttft_s:g} s and its TBT (mean of its slowest 10% of token gaps) <= the
 threshold; the effective capacity is the highest speed-up with >= 90% effective requests
 (linear between swept speed-ups; "≥ X" = met at every speed-up tried, "< X" = missed at the lowest).
@@ -117,6 +136,19 @@ threshold; the effective capacity is the highest speed-up with >= 90% effective 
 """ + "\n".join(sections)
     C.write_doc(C.DOCS / "capacity.md", "Experiment 2: effective request capacity vs TBT threshold", gen, DISCUSSION)
     print(f"wrote {C.DOCS / 'capacity.md'}")
+
+
+def gain_text(pd: dict, co: dict) -> str:
+    """capacity(P/D) / capacity(colocated) - 1, with bounds when a sweep did not bracket a capacity."""
+    v_pd, v_co = pd["value"], co["value"]
+    if pd["method"] == co["method"] == "lower_bound":
+        return "-"  # neither reached its capacity in the sweep
+    if v_pd and v_co:
+        g = f"{100 * (v_pd / v_co - 1):+.0f}%"
+        return ("≥ " + g) if pd["method"] == "lower_bound" and co["method"] != "lower_bound" else g
+    if v_pd and co["method"] == "below_range":
+        return f"> {100 * (v_pd / co['between'][1] - 1):+.0f}%"
+    return "-"
 
 
 def describe(cap: dict) -> str:
@@ -130,8 +162,7 @@ def describe(cap: dict) -> str:
 
 def plot_capacity(fine, names, path, trace, limit) -> None:
     fig, ax = plt.subplots(figsize=(8, 5))
-    for i, key in enumerate(("pd", "co")):
-        rows = fine[key]
+    for i, (key, rows) in enumerate(fine.items()):
         ax.plot([r["tbt_ms"] for r in rows], [r["effective_capacity"]["value"] or 0.0 for r in rows], "o-",
                 color=f"C{i}", lw=2, label=names[key])
     ax.set_xlabel("TBT threshold (ms)")
@@ -139,26 +170,28 @@ def plot_capacity(fine, names, path, trace, limit) -> None:
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend()
-    ax.set_title(f"Effective request capacity, {trace} (first {limit} requests), {C.PROFILE}", fontsize=10)
+    ax.set_title(f"Effective request capacity, {trace} (first {limit} requests), {C.PROFILE}; 0 = below the sweep",
+                 fontsize=10)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 
-def plot_attainment(pd, co, names, path, trace) -> None:
+def plot_attainment(runs, names, path, trace) -> None:
     fig, ax = plt.subplots(figsize=(8, 5))
-    for i, (key, outcome) in enumerate((("pd", pd), ("co", co))):
+    for i, (key, outcome) in enumerate(runs.items()):
         rows = next(iter(capacity_by_tbt(outcome).values()))
         loads = sorted(outcome.config.loads)
         for r, style in zip(rows, ("-", "--", ":"), strict=True):
             ax.plot(loads, [100 * (x or 0) for x in r["attainment"]], style, marker="o", color=f"C{i}",
                     label=f"{names[key]}, TBT ≤ {r['tbt_ms']} ms")
     ax.axhline(90, color="grey", lw=1)
+    ax.set_xscale("log")
     ax.set_xlabel("trace speed-up")
     ax.set_ylabel("effective requests (%)")
     ax.set_ylim(0, 102)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     ax.set_title(f"Effective requests vs load, {trace}", fontsize=10)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)

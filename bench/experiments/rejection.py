@@ -41,18 +41,31 @@ DISCUSSION = """## Discussion
 _ARGS: argparse.Namespace | None = None
 
 
-def _run(job: tuple[float, int]):
+def parse_configs(text: str) -> list[tuple[int, int, float, str]]:
+    """``P:D:TBT_MS:PREDICTORS,...``"""
+    out = []
+    for part in text.split(","):
+        p, d, ms, pred = part.strip().split(":")
+        out.append((int(p), int(d), float(ms), pred))
+    return out
+
+
+def label(cfg: tuple[int, int, float, str]) -> str:
+    return f"{cfg[0]}P+{cfg[1]}D, TBT SLO {cfg[2]:g} ms, {cfg[3]} predictors"
+
+
+def _run(job: tuple[tuple[int, int, float, str], int]):
     a = _ARGS
     assert a is not None
-    tbt_ms, k = job
+    (n_p, n_d, tbt_ms, pred), k = job
     name, flags, _ = VARIANTS[k]
     base = C.load_trace("conversation", a.limit)
     slo = SLO(a.slo_ttft_s, tbt_ms / 1000)
     flags = dict(flags)
     er = flags.pop("early_rejection", False)
-    o = C.sweep(base, C.cluster(a.prefill, a.decode), ["conductor"], loads=[a.speedup], metric_slo=slo,
-                admission_slo=slo, early_rejection=er, workers=1,
-                out=C.OUT / "rejection" / f"{SLUG[name]}-{tbt_ms:g}ms", **flags)
+    o = C.sweep(base, C.cluster(n_p, n_d), ["conductor"], loads=[a.speedup], metric_slo=slo, admission_slo=slo,
+                early_rejection=er, predictors=pred, workers=1,
+                out=C.OUT / "rejection" / f"{n_p}p{n_d}d-{tbt_ms:g}ms-{pred}" / SLUG[name], **flags)
     return o.summary, o.records()
 
 
@@ -79,26 +92,25 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--limit", type=int, default=3000, help="first N requests of the conversation trace")
     p.add_argument("--speedup", type=float, default=2.0)
-    p.add_argument("--prefill", type=int, default=8)
-    p.add_argument("--decode", type=int, default=8)
     p.add_argument("--slo-ttft-s", type=float, default=30.0)
-    p.add_argument("--slo-tbt-ms", default="100,30",
-                   help="TBT SLOs, one run of the three variants each (the paper's 100 ms, and a tighter one)")
+    p.add_argument("--configs", default="8:8:100:analytic,12:4:35:oracle",
+                   help="P:D:TBT_MS:PREDICTORS,... one run of the three variants each (default: the paper's "
+                        "8P+8D at TBT 100 ms, and a decode-bound 12P+4D at 35 ms with the oracle's TBT)")
     p.add_argument("--bin-s", type=float, default=5.0, help="timeline bin (simulated seconds)")
     p.add_argument("--workers", type=int, default=2)
     a = _ARGS = p.parse_args()
-    tbts = [float(x) for x in a.slo_tbt_ms.split(",") if x.strip()]
-    jobs = [(t, k) for t in tbts for k in range(len(VARIANTS))]
+    configs = parse_configs(a.configs)
+    jobs = [(c, k) for c in configs for k in range(len(VARIANTS))]
     ctx = multiprocessing.get_context("fork")
     with ProcessPoolExecutor(max_workers=a.workers, mp_context=ctx) as pool:
         outs = dict(zip(jobs, pool.map(_run, jobs), strict=True))
     end = max((r.end_s or r.arrival_s) for _, recs in outs.values() for r in recs)
     figs = C.DOCS / "rejection"
     sections, results = [], []
-    for tbt_ms in tbts:
+    for cfg in configs:
         rows, series = [], []
         for k, (name, _, paper) in enumerate(VARIANTS):
-            s, recs = outs[(tbt_ms, k)]
+            s, recs = outs[(cfg, k)]
             late = sum(r.status == "rejected" and r.prefill_end_s is not None for r in recs)
             mids, pre, dec, ra, rl = timeline(recs, a.bin_s, end)
             busy = (pre > 0) | (dec > 0)
@@ -111,23 +123,23 @@ def main() -> None:
                          paper, C.pct(s["slo_attainment"]), C.sec(s["goodput_rps"]), C.sec(s["ttft_s"]["mean"]),
                          C.sec(s["ttft_s"]["p90"]), C.sec(1000 * (s["tbt_s"]["p90"] or 0), 0), C.sec(cv_pre),
                          C.sec(cv_dec), C.sec(corr)])
-            results.append({"tbt_slo_ms": tbt_ms, "variant": name, "rejected": s["rejected"],
+            results.append({"config": label(cfg), "variant": name, "rejected": s["rejected"],
                             "rejected_after_prefill": late, "paper_rejected": paper, "completed": s["completed"],
                             "slo_attainment": s["slo_attainment"], "goodput_rps": s["goodput_rps"],
                             "ttft_mean_s": s["ttft_s"]["mean"], "ttft_p90_s": s["ttft_s"]["p90"],
                             "tbt_p90_s": s["tbt_s"]["p90"], "reject_reasons": reasons, "prefill_load_cv": cv_pre,
                             "decode_load_cv": cv_dec, "prefill_decode_corr": corr})
-        png = f"timeline_{tbt_ms:g}ms.png"
-        plot(series, figs / png, a, tbt_ms)
-        sections.append(f"""### TBT SLO {tbt_ms:g} ms
+        png = f"timeline_{cfg[0]}p{cfg[1]}d_{cfg[2]:g}ms.png"
+        plot(series, figs / png, a, cfg)
+        sections.append(f"""### {label(cfg)}
 
 """ + C.md_table(["variant", "rejected", "of which after prefill", "reasons", "paper rejected",
                   "SLO attainment", "goodput (req/s)", "TTFT mean (s)", "TTFT p90 (s)", "TBT p90 (ms)",
                   "prefill load CV", "decode load CV", "corr(prefill, decode)"], rows) + f"""
-![prefill and decode load over time, and rejections, TBT SLO {tbt_ms:g} ms](rejection/{png})
+![prefill and decode load over time, and rejections, {label(cfg)}](rejection/{png})
 """)
     C.save_json(figs / "results.json", {"limit": a.limit, "speedup": a.speedup, "profile": C.PROFILE,
-                                        "cluster": [a.prefill, a.decode], "slo_ttft_s": a.slo_ttft_s,
+                                        "slo_ttft_s": a.slo_ttft_s,
                                         "results": results})
     base = C.load_trace("conversation", a.limit)
     gen = f"""
@@ -139,7 +151,7 @@ def main() -> None:
 
 **Setup.** The first {len(base.requests)} requests of the conversation trace at {a.speedup:g}x
 ({base.span_s / a.speedup:.0f} s, {a.speedup * len(base.requests) / max(base.span_s, 1e-9):.2f} requests/s),
-conductor on {a.prefill} prefill + {a.decode} decode `{C.PROFILE}` instances, analytic predictors, admission
+conductor on `{C.PROFILE}` instances (the cluster and predictors of each section), admission
 against TTFT <= {a.slo_ttft_s:g} s and the TBT SLO of each section (the same SLO is measured: TBT = mean of
 the slowest 10% of a request's gaps). The paper's counts are for its own 23k-request trace on 8P+8D
 at 2x: compare the ordering and the ratios, not the counts.
@@ -162,7 +174,7 @@ variation over the busy period; corr < 0 is the anti-phase the paper describes.
     print(f"wrote {C.DOCS / 'rejection.md'}")
 
 
-def plot(series, path, a, tbt_ms) -> None:
+def plot(series, path, a, cfg) -> None:
     fig, axes = plt.subplots(len(series), 1, figsize=(12, 3.2 * len(series)), sharex=True)
     for ax, (name, mids, pre, dec, ra, rl) in zip(np.atleast_1d(axes), series, strict=True):
         ax.plot(mids, pre, color="C0", lw=1.5, label="in prefill (queued + running)")
@@ -179,8 +191,8 @@ def plot(series, path, a, tbt_ms) -> None:
         h2, l2 = ax2.get_legend_handles_labels()
         ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="upper left")
     np.atleast_1d(axes)[-1].set_xlabel("simulated time (s)")
-    fig.suptitle(f"Conversation trace, first {a.limit} requests at {a.speedup:g}x, conductor {a.prefill}P+{a.decode}D, "
-                 f"TTFT <= {a.slo_ttft_s:g} s, TBT <= {tbt_ms:g} ms", fontsize=11)
+    fig.suptitle(f"Conversation trace, first {a.limit} requests at {a.speedup:g}x, conductor {label(cfg)}, "
+                 f"TTFT <= {a.slo_ttft_s:g} s", fontsize=11)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
