@@ -2,7 +2,7 @@
 prefill / decode load over time without early rejection, with early rejection and with
 prediction-based early rejection, conductor on 8P+8D at 2x speed-up.
 
-    .venv/bin/python bench/experiments/rejection.py [--limit 3000] [--speedup 2] [--workers 2]
+    .venv/bin/python bench/experiments/rejection.py [--limit 2000] [--speedup 2] [--workers 2]
 
 The three variants are scheduler options: ``late_rejection`` (no early rejection: the decode side
 checks the TBT SLO after the prefill, a refusal wastes it), the default (early rejection: TTFT and
@@ -90,7 +90,7 @@ def timeline(records, bin_s: float, end: float):
 def main() -> None:
     global _ARGS
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--limit", type=int, default=3000, help="first N requests of the conversation trace")
+    p.add_argument("--limit", type=int, default=2000, help="first N requests of the conversation trace")
     p.add_argument("--speedup", type=float, default=2.0)
     p.add_argument("--slo-ttft-s", type=float, default=30.0)
     p.add_argument("--configs", default="8:8:100:analytic,12:4:35:oracle",
