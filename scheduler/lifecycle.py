@@ -128,15 +128,28 @@ class RequestLifecycle:
         self.phase = Phase.PREFILLING
         self.record.prefill_start_s = self.clock()
 
-    def prefill_finished(self, cached_tokens: int | None = None) -> None:
+    def prefill_finished(self, cached_tokens: int | None = None) -> Rejection | None:
         """The prefill instance is done (``cached_tokens``: the prefix it found in its own cache,
-        as it reported): its queued work leaves the ledger, and the decode side takes over."""
+        as it reported): its queued work leaves the ledger, and the decode side takes over.
+
+        With the scheduler's ``late_rejection`` the decode side may refuse it now (its TBT SLO
+        checked against the load it has): the request ends REJECTED, its prefill wasted, and the
+        rejection is returned (the driver then frees the KV the prefill instance holds)."""
         self._expect("prefill_finished", Phase.PREFILLING)
         rec = self.record
         rec.prefill_end_s = rec.decode_start_s = self.clock()
         rec.cached_tokens = cached_tokens
         self.scheduler.prefill_done(rec.request_id)
         self.phase = Phase.HANDED_OVER
+        p = self.placement
+        if self.scheduler.late_rejection and self.facts is not None and p is not None and p.decode != p.prefill:
+            d = self.scheduler.admit_decode(self.facts, p.decode)
+            if d is not None:
+                rec.reject_reason, rec.retry_after_s = d.reason, d.retry_after_s
+                rec.decode_start_s = None
+                self._end(Phase.REJECTED, "rejected", d.status, d.reason)
+                return d
+        return None
 
     def handed_over(self) -> None:
         """A colocated ("both") instance gets the whole request: no separate prefill leg."""

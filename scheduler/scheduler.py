@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable
 import xxhash
 
 from predictors.analytic import analytic_predictors
-from predictors.base import Predictors
+from predictors.base import DecodeState, Predictors
 from predictors.facts import Deployment, load_deployment
 from predictors.telemetry import SLO
 from predictors.types import Role
@@ -58,7 +58,7 @@ class Scheduler:
     def __init__(self, instances: Iterable[Instance], *, policy: str = "conductor", slo: SLO = SLO(),
                  block_size: int = 16, clock: Callable[[], float] = time.monotonic,
                  predictors: Predictors | None = None, seed: int = 0, early_rejection: bool = False,
-                 admission: bool = True,
+                 admission: bool = True, late_rejection: bool = False,
                  keep_decisions: int = 1000, index: PrefixIndex | None = None, ledger: LoadLedger | None = None,
                  **policy_params: Any):
         if block_size <= 0:
@@ -69,9 +69,12 @@ class Scheduler:
         self.block_size = block_size
         self.clock = clock
         self.seed = seed
+        if early_rejection and late_rejection:
+            raise ValueError("early_rejection and late_rejection exclude each other")
         self.early_rejection = early_rejection
         # False: never refuse over the SLO (verdicts still recorded) -- how the peer routers ship
         self.admission = admission
+        self.late_rejection = late_rejection
         self.index: PrefixIndex = index if index is not None else HitIndex(block_size)
         self.ledger: LoadLedger = ledger if ledger is not None else Ledger()
         self.inflight = InflightPrefixes()
@@ -219,6 +222,29 @@ class Scheduler:
         now = self.clock()
         self.inflight.prefill_done(request_id, now)
         return self.ledger.prefill_done(request_id, now)
+
+    def admit_decode(self, facts: RequestFacts, decode: str) -> Rejection | None:
+        """``late_rejection`` only (Mooncake's baseline without early rejection): when the request's
+        prefill is done, its ``decode`` instance checks the TBT SLO against the sequences it is
+        decoding then (prefill done, this request not counted) plus this one; a refusal wastes the
+        prefill. None (admitted) otherwise, or for a request holding no reservation. The caller
+        finishes the request."""
+        slo = admission.resolve_slo(self.slo, facts.slo)
+        if not self.late_rejection or slo.tbt_s is None or facts.request_id not in self.ledger:
+            return None
+        now = self.clock()
+        decoding = [x for x in self.ledger.decode_departures(decode)
+                    if not x.prefill_pending and x.request_id != facts.request_id]
+        state = DecodeState(decode, len(decoding), sum(x.kv_tokens for x in decoding))
+        tbt = self.predictors.tbt.tbt(state, facts.prompt_tokens, facts.max_tokens)
+        v = admission.check_tbt(tbt, slo.tbt_s, state, decoding, facts.prompt_tokens, facts.max_tokens,
+                                self.predictors, now)
+        if v is None:
+            return None
+        self._count(v.reason)
+        record = bare_record(facts.request_id, self.policy_name, now, v.reason, v.message)
+        record["stage"] = "decode"
+        return Rejection(facts.request_id, v.status, v.reason, v.message, v.retry_after_s, record)
 
     def release(self, request_id: str) -> bool:
         """Return everything the reservation holds; True the first time only."""
@@ -395,13 +421,14 @@ class Scheduler:
             floor = min(c.ttft(rows.get(c.id, c.local)) - c.queue_s for c in ctx.prefill) + ch.kv_s + ch.first_step_s
         ttft_verdict = admission.check_ttft(ch.ttft, p.queue_s, slo.ttft_s, floor)
         departures, at = [], ctx.now
-        if slo.tbt_s is not None and d.tbt_s > slo.tbt_s:
+        late = self.late_rejection and d.id != p.id  # TBT is checked after the prefill (admit_decode)
+        if slo.tbt_s is not None and d.tbt_s > slo.tbt_s and not late:
             departures = self.ledger.decode_departures(d.id)
             if self.early_rejection:  # d.state is the load at prefill_done_at: count from there
                 at = ch.prefill_done_at
                 departures = [r for r in departures if r.decode_start_s <= at < r.decode_end_s]
-        tbt_verdict = admission.check_tbt(d.tbt_s, slo.tbt_s, d.state, departures, facts.prompt_tokens,
-                                          facts.max_tokens, self.predictors, at)
+        tbt_verdict = None if late else admission.check_tbt(d.tbt_s, slo.tbt_s, d.state, departures,
+                                                            facts.prompt_tokens, facts.max_tokens, self.predictors, at)
         ch.violations = [v for v in (ttft_verdict, tbt_verdict) if v is not None]
         record = self._record(ctx, ch)
         verdict = ttft_verdict or tbt_verdict

@@ -146,6 +146,38 @@ def test_early_rejection_still_refuses_load_that_will_still_be_there():
     assert sched.decide(facts("r")).reason == "tbt_slo"
 
 
+def test_late_rejection_admits_on_arrival_and_the_decode_side_refuses_after_the_prefill():
+    """Mooncake's baseline without early rejection: TBT is not checked on arrival; at the end of
+    the prefill the decode side counts only what it is decoding then (prefill done)."""
+    sched, clock = make(slo=SLO(tbt_s=0.012), late_rejection=True)
+    now = clock()
+    for k in range(60):  # placed, still prefilling: the decode side does not see them yet
+        sched.ledger.reserve(Reservation(f"x{k}", "p0", "d0", 1, 0.0, 15_000, now, now + 5, now + 300.0), now)
+    placed = sched.decide(facts("r"))
+    assert isinstance(placed, Placement)  # the arrival check would refuse it (see the early-rejection test)
+    assert sched.admit_decode(facts("r"), "d0") is None  # nothing decoding on d0 yet
+    for k in range(60):
+        sched.prefill_done(f"x{k}")  # now they decode
+    late = sched.admit_decode(facts("r"), "d0")
+    assert isinstance(late, Rejection) and (late.status, late.reason) == (429, "tbt_slo")
+    assert late.explanation["stage"] == "decode" and sched.counts["tbt_slo"] == 1
+    assert "r" in sched.ledger  # the caller (the lifecycle) finishes it and releases
+
+
+def test_late_rejection_off_never_refuses_at_the_decode_side():
+    sched, clock = make(slo=SLO(tbt_s=0.012))
+    now = clock()
+    for k in range(60):
+        sched.ledger.reserve(Reservation(f"x{k}", "p0", "d0", 1, 0.0, 15_000, now, now, now + 300.0), now)
+        sched.prefill_done(f"x{k}")
+    assert sched.admit_decode(facts("r"), "d0") is None
+
+
+def test_early_and_late_rejection_exclude_each_other():
+    with pytest.raises(ValueError, match="exclude"):
+        make(early_rejection=True, late_rejection=True)
+
+
 @pytest.mark.parametrize("policy", Scheduler.policy_names())
 def test_admission_applies_to_every_policy(policy):
     clock = Clock(50.0)

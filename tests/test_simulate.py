@@ -36,6 +36,16 @@ def test_every_request_ends_exactly_once_and_the_ledger_ends_empty():
     assert r.scheduler_counts["placed"] == sum(x.status != "rejected" for x in r.records)
 
 
+def test_late_rejection_wastes_the_prefill_and_still_ends_every_request_once():
+    slo = SLO(ttft_s=5.0, tbt_s=0.008)
+    late = run(n=120, rate=60.0, cluster=ClusterSpec(prefill=2, decode=1, seed=3), late_rejection=True, slo=slo)
+    assert len({x.request_id for x in late.records}) == 120  # simulate() raises if anything is still held
+    wasted = [x for x in late.records if x.status == "rejected" and x.prefill_end_s is not None]
+    assert wasted and all(x.first_token_s is None and x.reject_reason.startswith("tbt_slo") for x in wasted)
+    early = run(n=120, rate=60.0, cluster=ClusterSpec(prefill=2, decode=1, seed=3), slo=slo)
+    assert not [x for x in early.records if x.status == "rejected" and x.prefill_end_s is not None]
+
+
 def test_a_disaggregated_request_walks_the_live_path():
     r = run(n=30, rate=2.0)
     w = {f"sim-r{q.index}": q for q in workload(30, 2.0).requests}

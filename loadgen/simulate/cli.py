@@ -69,6 +69,9 @@ def build_parser() -> Parser:
     s.add_argument("--admission", choices=("all", "conductor", "none"), default="all",
                    help="which policies refuse requests predicted to miss the SLO (429): all (default: placement "
                         "alone differs), conductor (the peers as their routers ship, without SLO admission), none")
+    s.add_argument("--late-rejection", action="store_true",
+                   help="no early rejection (the paper's baseline): the decode side checks the TBT SLO after "
+                        "the prefill, on the load it has then; a refusal wastes the prefill")
     o = p.add_argument_group("outputs")
     o.add_argument("--reuse-bound", action="store_true",
                    help="also report the trace's prefix-reuse bound for the cluster's cache capacity (one global "
@@ -120,6 +123,8 @@ def main(argv: list[str]) -> int:
     if a.predictors not in ("analytic", "oracle") and a.predictors not in predictor_names():
         raise CLIError(f"unknown predictors {a.predictors!r}; known: analytic, oracle "
                        "(learned predictors from a directory are not built yet)")
+    if a.early_rejection and a.late_rejection:
+        raise CLIError("--early-rejection and --late-rejection exclude each other")
     policies, params = _policies(a)
     _check_out(a.out)
     w = workload_from_args(a, log)
@@ -129,6 +134,7 @@ def main(argv: list[str]) -> int:
                           engine={"max_num_batched_tokens": a.max_num_batched_tokens, "max_num_seqs": a.max_num_seqs,
                                   "host_tier_tokens": a.host_tier_tokens})
     sched = SchedulerSpec(policy=policies[0], policy_params=params, slo=w.slo, early_rejection=a.early_rejection,
+                          late_rejection=a.late_rejection,
                           seed=a.seed)
     cfg = SimConfig(base=w.base, cluster=cluster, scheduler=sched, policies=policies, slo=w.slo,
                     load_kind=w.load_kind, loads=w.loads, attainment_target=a.attainment_target, arrival=a.arrival,

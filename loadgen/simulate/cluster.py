@@ -61,6 +61,7 @@ class SchedulerSpec:
     slo: SLO = field(default_factory=lambda: SLO(ttft_s=30.0, tbt_s=0.2))
     early_rejection: bool = False
     admission: bool = True  # False: never refuse over the SLO, as the peer routers ship
+    late_rejection: bool = False  # no early rejection: TBT checked by the decode side after the prefill
     seed: int = 0
 
 
@@ -93,8 +94,8 @@ class SimCluster:
         if sched.policy.startswith("conductor"):  # as the gateway: engines cannot pull a prefix from a peer
             params.setdefault("peer_pull", False)
         self.scheduler = Scheduler(members, policy=sched.policy, slo=sched.slo, block_size=spec.block_size,
-                                   clock=loop.clock, early_rejection=sched.early_rejection, seed=sched.seed,
-                                   admission=sched.admission,
+                                   clock=loop.clock, early_rejection=sched.early_rejection,
+                                   late_rejection=sched.late_rejection, seed=sched.seed, admission=sched.admission,
                                    keep_decisions=0, predictors=predictors(members) if predictors else None,
                                    index=HitIndex(spec.block_size, trust_event_hashes=True), **params)
         for iid, inst in self.instances.items():  # what the gateway reads from each engine's /metrics at start
@@ -156,7 +157,10 @@ class SimCluster:
             if r is None:
                 continue
             if f.kv_held and r.lc.phase is Phase.PREFILLING:
-                r.lc.prefill_finished(f.cached_tokens)
+                if r.lc.prefill_finished(f.cached_tokens) is not None:  # refused by the decode side
+                    if inst.model.release_kv(f.request_id):
+                        inst.kick()
+                    continue
                 d = self.instances[r.lc.placement.decode]  # type: ignore[union-attr]
                 r.decode = d
                 try:

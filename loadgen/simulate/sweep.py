@@ -148,6 +148,7 @@ def build_summary(cfg: SimConfig, steps: list[SimStep]) -> dict[str, Any]:
         run={"mode": "simulate", "endpoint": cfg.endpoint, "arrival": cfg.arrival, "cv": cfg.cv, "seed": cfg.seed,
              "predictors": cfg.predictors, "policies": cfg.policies, "admission": cfg.admission,
              "policy_params": cfg.scheduler.policy_params, "early_rejection": cfg.scheduler.early_rejection,
+             "late_rejection": cfg.scheduler.late_rejection,
              "cluster": {"prefill": c.prefill, "decode": c.decode, "both": c.both, "profile": c.profile,
                          "block_size": c.block_size, "noise": c.noise, "kv_event_lag_ms": c.kv_event_lag_s * 1e3,
                          "poll_interval_s": c.poll_interval_s, "engine": c.engine}},

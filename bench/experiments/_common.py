@@ -1,0 +1,104 @@
+"""Shared pieces of the paper's experiments (bench/experiments/*.py): the traces, the simulated
+cluster, one sweep through ``loadgen.simulate`` (the same run_sweep / write_outputs that
+``conductor simulate`` uses), markdown tables, and regenerating a doc's generated section while
+keeping its hand-written discussion."""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from loadgen.simulate.cluster import ClusterSpec, SchedulerSpec  # noqa: E402
+from loadgen.simulate.report import write_outputs  # noqa: E402
+from loadgen.simulate.sweep import SimConfig, SimOutcome, run_sweep  # noqa: E402
+from loadgen.workload import Workload, read_trace  # noqa: E402
+from predictors.telemetry import SLO  # noqa: E402
+
+TRACES = {
+    "conversation": ROOT / "data/traces/mooncake_conversation_trace.jsonl",
+    "azure_code": ROOT / "data/traces/azure_code_2023.csv",
+}
+PROFILE = "llama3-70b-a800x8"  # the paper's LLaMA3-70B on 8 x A800 per instance
+DOCS = ROOT / "docs/experiments"
+OUT = ROOT / "out/experiments"  # full outputs (requests.jsonl etc.), not committed
+BEGIN, END = "<!-- BEGIN GENERATED", "<!-- END GENERATED -->"
+
+
+def load_trace(name: str, limit: int | None) -> Workload:
+    return read_trace(str(TRACES[name]), limit=limit)
+
+
+def cluster(prefill: int = 0, decode: int = 0, both: int = 0, seed: int = 0) -> ClusterSpec:
+    """As ``conductor simulate``'s defaults: chunked prefill (8192-token budget), 256 sequences,
+    prefix caching on, 2 ms KV-event lag, 1 s load polls."""
+    return ClusterSpec(prefill=prefill, decode=decode, both=both, profile=PROFILE, block_size=16, noise=0.02,
+                       seed=seed, kv_event_lag_s=0.002, poll_interval_s=1.0,
+                       engine={"max_num_batched_tokens": 8192, "max_num_seqs": 256, "host_tier_tokens": 0})
+
+
+def sweep(base: Workload, spec: ClusterSpec, policies: list[str], *, loads: list[float], metric_slo: SLO,
+          admission_slo: SLO | None = None, predictors: str = "analytic", early_rejection: bool = False,
+          workers: int = 2, out: Path | None = None, seed: int = 0, **sched_extra: Any) -> SimOutcome:
+    """One ``conductor simulate`` sweep: ``policies`` x ``loads`` (trace speed-ups). The scheduler
+    admits against ``admission_slo`` (None: admits everything); attainment and goodput are
+    measured against ``metric_slo``. Full outputs go to ``out`` when given."""
+    sched = SchedulerSpec(policy=policies[0], slo=admission_slo or SLO(None, None), early_rejection=early_rejection,
+                          seed=seed)
+    if sched_extra:
+        sched = replace(sched, **sched_extra)
+    cfg = SimConfig(base=base, cluster=spec, scheduler=sched, policies=policies, slo=metric_slo, load_kind="speedup",
+                    loads=loads, seed=seed, predictors=predictors, workers=workers, progress=False)
+    t0 = time.perf_counter()
+    outcome = run_sweep(cfg)
+    print(f"  {','.join(policies)} x {loads} on {spec.prefill}P+{spec.decode}D+{spec.both}B, predictors {predictors}: "
+          f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    if out is not None:
+        write_outputs(str(out), outcome)
+    return outcome
+
+
+def md_table(headers: list[str], rows: list[list[Any]]) -> str:
+    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(out) + "\n"
+
+
+def sec(x: float | None, nd: int = 2) -> str:
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def command_line() -> str:
+    """The command that regenerates this experiment, as run from the repository root."""
+    script = os.path.relpath(sys.argv[0], ROOT)
+    return " ".join([".venv/bin/python", script, *map(shlex.quote, sys.argv[1:])])
+
+
+def write_doc(path: Path, title: str, generated: str, discussion: str) -> None:
+    """Write ``path``: the title, the generated block (replaced on every run) and, below it, the
+    hand-written discussion already in the file (``discussion`` only when there is none yet)."""
+    kept = discussion
+    if path.exists():
+        text = path.read_text()
+        if END in text:
+            kept = text.split(END, 1)[1].lstrip("\n")
+    stamp = f"{BEGIN}: by {command_line()}; edit below the END marker only -->"
+    path.write_text(f"# {title}\n\n{stamp}\n{generated.rstrip()}\n{END}\n\n{kept.rstrip()}\n")
+
+
+def save_json(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
