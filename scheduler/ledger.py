@@ -237,16 +237,31 @@ class Ledger:
         cap = d.kv_capacity_tokens
         if d.kv_tokens + need_tokens <= cap:  # fits even if everyone held their whole output: the usual case
             return 0.0
-        ends = sorted({t0, *(r.decode_end_s for r in d.decoding.values() if r.decode_end_s > t0)})
+        # a reservation decoding over [start, end) holds prompt + output x (t - start) / span: a
+        # linear piece a + b t; one overdue (end <= now) is assumed to hold its whole KV on. One
+        # sweep over the candidate times adds pieces as they start and drops them as they end.
+        joins: list[tuple[float, float, float]] = []
+        leaves: list[tuple[float, float, float]] = []
+        for r in d.decoding.values():
+            s, e = r.decode_start_s, r.decode_end_s
+            if e <= now:
+                joins.append((s, float(r.kv_tokens), 0.0))
+            elif e > s:
+                rate = r.output_tokens / (e - s)
+                piece = (r.kv_tokens - r.output_tokens - rate * s, rate)
+                joins.append((s, *piece))
+                leaves.append((e, *piece))
+        joins.sort()
+        leaves.sort()
+        ends = sorted({t0, *(e for e, _, _ in leaves if e > t0)})
+        a = b = 0.0
+        i = j = 0
         for t in ends:
-            used = 0.0
-            for r in d.decoding.values():
-                if r.decode_start_s > t or (r.decode_end_s <= t and r.decode_end_s > now):
-                    continue  # not there yet, or finished by t (one overdue is assumed to hold on)
-                span = r.decode_end_s - r.decode_start_s
-                done = 1.0 if span <= 0 else min(1.0, max(0.0, (t - r.decode_start_s) / span))
-                used += r.kv_tokens - r.output_tokens * (1.0 - done)
-            if used + need_tokens <= cap:
+            while i < len(joins) and joins[i][0] <= t:
+                a, b, i = a + joins[i][1], b + joins[i][2], i + 1
+            while j < len(leaves) and leaves[j][0] <= t:
+                a, b, j = a - leaves[j][1], b - leaves[j][2], j + 1
+            if a + b * t + need_tokens <= cap:
                 return max(0.0, t - now)
         return max(0.0, ends[-1] - now)
 
