@@ -14,52 +14,42 @@ from __future__ import annotations
 
 
 class InflightPrefixes:
-    """Block hashes placed on prefill instances and not yet confirmed; pure, clock passed in."""
+    """Block hashes placed on prefill instances and not yet confirmed; pure, clock passed in.
+
+    Per instance, each registered request's blocks as one frozenset: registering and dropping
+    cost one set build and one dict operation (this runs on every placement), a lookup probes
+    the instance's few in-flight sets.
+    """
 
     def __init__(self, grace_s: float = 1.0):
         self.grace_s = grace_s
-        self._entries: dict[str, tuple[str, list[int]]] = {}  # request id -> (instance, block hashes)
-        self._holders: dict[int, dict[str, int]] = {}  # block hash -> instance -> registrations
+        self._instance: dict[str, str] = {}  # request id -> instance
+        self._sets: dict[str, dict[str, frozenset[int]]] = {}  # instance -> request id -> its blocks
         self._done: dict[str, float] = {}  # request id -> when its registration lapses (prefill done)
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._instance)
 
     def add(self, request_id: str, instance: str, hashes: list[int]) -> None:
-        if request_id in self._entries or not hashes:
+        if request_id in self._instance or not hashes:
             return
-        self._entries[request_id] = (instance, hashes)
-        holders = self._holders
-        for h in hashes:
-            by = holders.get(h)
-            if by is None:
-                holders[h] = {instance: 1}
-            else:
-                by[instance] = by.get(instance, 0) + 1
+        self._instance[request_id] = instance
+        self._sets.setdefault(instance, {})[request_id] = frozenset(hashes)
 
     def prefill_done(self, request_id: str, now: float) -> None:
         """The prefill finished: the KV events follow; keep the entry ``grace_s`` longer."""
-        if request_id in self._entries:
+        if request_id in self._instance:
             self._done[request_id] = now + self.grace_s
 
     def drop(self, request_id: str) -> None:
-        entry = self._entries.pop(request_id, None)
+        instance = self._instance.pop(request_id, None)
         self._done.pop(request_id, None)
-        if entry is None:
+        if instance is None:
             return
-        instance, hashes = entry
-        holders = self._holders
-        for h in hashes:
-            by = holders.get(h)
-            if by is None:
-                continue
-            n = by.get(instance, 0) - 1
-            if n > 0:
-                by[instance] = n
-            else:
-                by.pop(instance, None)
-                if not by:
-                    del holders[h]
+        sets = self._sets[instance]
+        del sets[request_id]
+        if not sets:
+            del self._sets[instance]
 
     def expire(self, now: float) -> None:
         """Drop the registrations whose grace ran out."""
@@ -68,26 +58,27 @@ class InflightPrefixes:
                 self.drop(rid)
 
     def match(self, hashes: list[int], limit: int) -> dict[str, int]:
-        """Longest contiguous prefix (blocks) each instance has registered for ``hashes[:limit]``."""
-        holders = self._holders
-        if not holders or limit <= 0:
+        """Longest contiguous prefix (blocks) each instance has registered for ``hashes[:limit]``.
+
+        A block hash names its whole prefix (chained), so a registration holding block k holds
+        blocks 0..k too: what an instance has registered of ``hashes`` is a prefix of it, and
+        its end is found by bisection, a few probes rather than one per block."""
+        n = min(limit, len(hashes))
+        if not self._sets or n <= 0:
             return {}
         out: dict[str, int] = {}
-        first = holders.get(hashes[0])
-        if not first:
-            return out
-        alive = set(first)
-        for i in range(1, min(limit, len(hashes))):
-            by = holders.get(hashes[i])
-            ended = alive.difference(by) if by else alive
-            for inst in ended:
-                out[inst] = i
-            if by is None:
-                return out
-            alive.intersection_update(by)
-            if not alive:
-                return out
-        n = min(limit, len(hashes))
-        for inst in alive:
-            out[inst] = n
+        first = hashes[0]
+        for inst, by_request in self._sets.items():
+            sets = [s for s in by_request.values() if first in s]
+            if not sets:
+                continue
+            lo, hi = 1, n  # blocks [0, lo) registered; the answer is in [lo, hi]
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                h = hashes[mid - 1]
+                if any(h in s for s in sets):
+                    lo = mid
+                else:
+                    hi = mid - 1
+            out[inst] = lo
         return out

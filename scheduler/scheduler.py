@@ -78,6 +78,7 @@ class Scheduler:
         self.index: PrefixIndex = index if index is not None else HitIndex(block_size)
         self.ledger: LoadLedger = ledger if ledger is not None else Ledger()
         self.inflight = InflightPrefixes()
+        self._inflight = self.policy.reads_inflight  # kept only for a policy that reads it
         # analytic predictors over the instances' public deployments unless some are injected
         self.predictors = predictors if predictors is not None else analytic_predictors()
         self.decisions: deque[dict[str, Any]] = deque(maxlen=max(0, keep_decisions))
@@ -357,8 +358,9 @@ class Scheduler:
             raise _Refused(BAD_REQUEST, "bad_block_hashes", "block hashes must be integers") from None
         ctx.store_blocks = ctx.match.store
         ctx.usable_blocks = usable
-        self.inflight.expire(ctx.now)
-        ctx.pending = self.inflight.match(facts.block_hashes, usable)
+        if self._inflight:
+            self.inflight.expire(ctx.now)
+            ctx.pending = self.inflight.match(facts.block_hashes, usable)
 
     # --- stage 3: every candidate's predicted terms ------------------------------------------
     def _terms(self, ctx: DecisionContext) -> None:
@@ -458,7 +460,8 @@ class Scheduler:
                                             need, now, decode_start,
                                             decode_start + max(1, facts.max_tokens) * d.tbt_s,
                                             output_tokens=max(1, facts.max_tokens)), now)
-            self.inflight.add(rid, p.id, facts.block_hashes[:ctx.usable_blocks])
+            if self._inflight:
+                self.inflight.add(rid, p.id, facts.block_hashes[:ctx.usable_blocks])
             self.counts["placed"] += 1
             self.decisions.append(ch.record)
         return placement

@@ -108,6 +108,12 @@ class Policy(ABC):
     def choose_decode(self, ctx: DecisionContext, prefill: PrefillCandidate) -> DecodeChoice:
         """The decode instance for a request whose prefill runs on ``prefill``."""
 
+    @property
+    def reads_inflight(self) -> bool:
+        """Whether ``ctx.pending`` (prefixes placed but not yet announced) is used: the scheduler
+        keeps that registry only for a policy that reads it."""
+        return False
+
     def placed(  # noqa: B027 (an optional hook: a stateless policy ignores placements)
             self, ctx: DecisionContext, prefill: str, decode: str, chose_decode: bool) -> None:
         """A placement was made (not called for rejections). ``chose_decode`` is False when a

@@ -62,6 +62,10 @@ class ConductorPolicy(Policy):
     Params = ConductorParams
     params: ConductorParams
 
+    @property
+    def reads_inflight(self) -> bool:
+        return self.params.inflight
+
     def _pulls(self, c: PrefillCandidate, pull: Terms, recompute: Terms, best_blocks: int) -> bool:
         if self.params.pull_rule == "ratio":
             return c.local_blocks == 0 or best_blocks / c.local_blocks > self.params.balancing_threshold
@@ -76,7 +80,7 @@ class ConductorPolicy(Policy):
             raise RuntimeError("choose_prefill before the terms stage")
         rows: dict[str, Terms] = {}
         chosen: dict[tuple[Hashable, int, int], Terms] = {}  # the way to serve depends only on (group, prefix facts)
-        pending = ctx.pending if self.params.inflight else {}
+        pending = ctx.pending  # empty unless ``inflight`` (see reads_inflight)
         for c in ctx.prefill:
             if pending.get(c.id, 0) > c.local_blocks:  # queued behind the request bringing the prefix
                 c = replace(c, device_blocks=pending[c.id], local_blocks=pending[c.id])
@@ -134,9 +138,15 @@ class ConductorPolicy(Policy):
         first step) among those meeting the TBT SLO with this request added; lowest TBT when none
         does. Balancing TBT alone sends requests to instances whose KV is full, where they wait
         after their prefill for others to finish."""
-        ship = ctx.predictors.transfer.transfer_time
-        first = {d.id: d.first_token_s(ctx.prefill_ready_s, ship(ctx.prompt_tokens, prefill.id, d.id))
-                 for d in ctx.decode}
+        transfer, group = ctx.predictors.transfer.transfer_time, ctx.predictors.group
+        shipments: dict[Hashable, float] = {}  # the shipment depends on the decode side's predictor group only
+        first = {}
+        for d in ctx.decode:
+            key = d.id if group is None else group(d.id)
+            ship = shipments.get(key)
+            if ship is None:
+                ship = shipments[key] = transfer(ctx.prompt_tokens, prefill.id, d.id)
+            first[d.id] = d.first_token_s(ctx.prefill_ready_s, ship)
         tbt_slo = ctx.slo.tbt_s
         ok = [d for d in ctx.decode if tbt_slo is None or d.tbt_s <= tbt_slo] or ctx.decode
         winner = argmin(ok, key=lambda d: (first[d.id], d.tbt_s, d.state.running), rng=ctx.rng)
