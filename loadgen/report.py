@@ -6,6 +6,8 @@ import math
 import os
 from typing import Any
 
+from predictors.telemetry import RequestRecord
+
 from .metrics import describe_capacity, gaps_summary
 from .plots import plot_goodput, plot_latency
 from .sweep import RunOutcome, load_label
@@ -22,6 +24,20 @@ def _clean(obj: Any) -> Any:
     return obj
 
 
+def write_summary_and_records(paths: dict[str, str], summary: dict[str, Any], records: list[RequestRecord],
+                              keep_token_times: bool) -> None:
+    """summary.json and requests.jsonl (gaps summarised per request unless ``keep_token_times``),
+    as both ``conductor loadgen`` and ``conductor simulate`` write them."""
+    with open(paths["summary.json"], "w") as f:
+        json.dump(_clean(summary), f, indent=2)
+        f.write("\n")
+    with open(paths["requests.jsonl"], "w") as f:
+        for r in records:
+            d = r.to_dict(token_times=keep_token_times)
+            d["extra"] = {**d["extra"], "gaps": gaps_summary(r)}
+            f.write(json.dumps(_clean(d)) + "\n")
+
+
 def write_outputs(out_dir: str, outcome: RunOutcome, keep_token_times: bool = False) -> dict[str, str]:
     """All four files; returns their paths. Without ``keep_token_times`` each request keeps a
     summary of its gaps (``extra.gaps``) instead of every chunk time; ``tbt_s`` and ``tpot_s``
@@ -29,15 +45,8 @@ def write_outputs(out_dir: str, outcome: RunOutcome, keep_token_times: bool = Fa
     os.makedirs(out_dir, exist_ok=True)
     paths = {name: os.path.join(out_dir, name)
              for name in ("summary.json", "requests.jsonl", "goodput.png", "latency.png")}
-    with open(paths["summary.json"], "w") as f:
-        json.dump(_clean(outcome.summary), f, indent=2)
-        f.write("\n")
     records = outcome.records()
-    with open(paths["requests.jsonl"], "w") as f:
-        for r in records:
-            d = r.to_dict(token_times=keep_token_times)
-            d["extra"] = {**d["extra"], "gaps": gaps_summary(r)}
-            f.write(json.dumps(_clean(d)) + "\n")
+    write_summary_and_records(paths, outcome.summary, records, keep_token_times)
     plot_goodput(outcome.summary, paths["goodput.png"])
     plot_latency(outcome.summary, records, paths["latency.png"])
     return paths

@@ -22,7 +22,7 @@ import secrets
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from predictors.telemetry import SLO, RequestRecord
 
@@ -101,7 +101,18 @@ def load_label(kind: str, load: float) -> str:
     return f"{load:g}x" if kind == "speedup" else f"{load:g} req/s"
 
 
-def workload_at(cfg: LoadgenConfig, load: float) -> Workload:
+class LoadSpec(Protocol):
+    """What scaling a workload to a load reads (LoadgenConfig and the simulator's SimConfig)."""
+
+    base: Workload
+    load_kind: str
+    regenerate: Callable[[float], Workload] | None
+    arrival: str
+    cv: float
+    seed: int
+
+
+def workload_at(cfg: LoadSpec, load: float) -> Workload:
     if cfg.load_kind == "speedup":
         return sped_up(cfg.base, load)
     if cfg.regenerate is not None:

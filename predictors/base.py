@@ -93,9 +93,3 @@ class Predictors:
             if hook is not None and id(p) not in seen:
                 seen.add(id(p))
                 hook(record)
-
-
-@runtime_checkable
-class Observer(Protocol):
-    def observe(self, record: RequestRecord) -> None:
-        """Learn from one finished request's record (features at decision time + outcomes)."""

@@ -16,7 +16,15 @@ import uuid
 
 from aiohttp import web
 
-from predictors.cli_args import CLIError, Parser, port, positive_float, positive_int
+from predictors.cli_args import (
+    CLIError,
+    Parser,
+    non_negative_float,
+    non_negative_int,
+    port,
+    positive_float,
+    positive_int,
+)
 
 from .api import OpenAIApi, ServerInfo
 from .driver import EngineDriver
@@ -27,20 +35,6 @@ from .profiles import load_profile, profile_names
 from .publisher import KVEventPublisher, check_endpoint, loopback_bind_address
 
 log = logging.getLogger("conductor.sim_engine")
-
-
-def non_negative_int(text: str) -> int:
-    v = int(text)
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return v
-
-
-def non_negative_float(text: str) -> float:
-    v = float(text)
-    if not v >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return v
 
 
 def build_parser() -> Parser:

@@ -8,7 +8,7 @@ import os
 import sys
 
 from engines_adapters.sim.profiles import profile_names
-from predictors.cli_args import CLIError, Parser, positive_float, positive_int
+from predictors.cli_args import CLIError, Parser, non_negative_float, non_negative_int, positive_float, positive_int
 from predictors.registry import predictor_names
 from scheduler.policies import POLICIES, make_policy
 
@@ -16,20 +16,6 @@ from ..workload_args import add_workload_args, workload_from_args
 from .cluster import ClusterSpec, SchedulerSpec
 from .report import format_table, write_outputs
 from .sweep import SimConfig, run_sweep
-
-
-def non_negative_int(text: str) -> int:
-    v = int(text)
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return v
-
-
-def non_negative_float(text: str) -> float:
-    v = float(text)
-    if not v >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return v
 
 
 def policy_param(text: str) -> tuple[str, str]:

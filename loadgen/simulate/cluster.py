@@ -24,6 +24,7 @@ from predictors.base import Predictors
 from predictors.telemetry import SLO, RequestRecord
 from predictors.types import Role
 from scheduler import Instance, Rejection, RequestFacts, Scheduler
+from scheduler.hashing import block_hashes
 from scheduler.hit_index import HitIndex
 from scheduler.lifecycle import Phase, RequestLifecycle
 
@@ -132,8 +133,6 @@ class SimCluster:
             lc.finish("error", 400, f"engine_refused: {e}")
 
     def _hashes(self, tokens: list[int]) -> list[int]:
-        from scheduler.hashing import block_hashes
-
         return block_hashes(tokens, self.spec.block_size)
 
     def _finished(self, rec: RequestRecord) -> None:

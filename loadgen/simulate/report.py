@@ -3,7 +3,6 @@ requests.jsonl, goodput.png, latency.png) plus capacity.png (effective capacity 
 threshold, the paper's figure) and, with several policies, compare.md/compare.png."""
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
@@ -14,9 +13,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from predictors.telemetry import SLO, write_jsonl  # noqa: E402
 
-from ..metrics import effective_capacity, gaps_summary, summarize  # noqa: E402
+from ..metrics import effective_capacity, summarize  # noqa: E402
 from ..plots import plot_goodput, plot_latency  # noqa: E402
-from ..report import _clean, _ms, _num, _pct  # noqa: E402
+from ..report import _ms, _num, _pct, write_summary_and_records  # noqa: E402
 from ..sweep import load_label  # noqa: E402
 from .sweep import SimOutcome  # noqa: E402
 
@@ -121,15 +120,8 @@ def write_outputs(out_dir: str, outcome: SimOutcome, keep_token_times: bool = Fa
     paths = {n: os.path.join(out_dir, n) for n in names}
     summary = dict(outcome.summary)
     summary["capacity_by_tbt"] = capacity_by_tbt(outcome)
-    with open(paths["summary.json"], "w") as f:
-        json.dump(_clean(summary), f, indent=2)
-        f.write("\n")
     records = outcome.records()
-    with open(paths["requests.jsonl"], "w") as f:
-        for r in records:
-            d = r.to_dict(token_times=keep_token_times)
-            d["extra"] = {**d["extra"], "gaps": gaps_summary(r)}
-            f.write(json.dumps(_clean(d)) + "\n")
+    write_summary_and_records(paths, summary, records, keep_token_times)
     plot_goodput(summary, paths["goodput.png"])
     plot_latency(summary, records, paths["latency.png"])
     plot_capacity(outcome, paths["capacity.png"])

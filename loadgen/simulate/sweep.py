@@ -11,9 +11,9 @@ from typing import Any, Callable
 
 from predictors.telemetry import SLO, RequestRecord
 
-from ..arrivals import rate_of, retimed, sped_up
+from ..arrivals import rate_of
 from ..metrics import effective_capacity, summarize
-from ..sweep import compare, load_label
+from ..sweep import compare, load_label, workload_at
 from ..workload import Workload
 from .cluster import ClusterSpec, SchedulerSpec
 from .run import RunStats, simulate
@@ -59,14 +59,6 @@ class SimOutcome:
 
     def records(self) -> list[RequestRecord]:
         return [r for s in self.steps for r in s.records]
-
-
-def workload_at(cfg: SimConfig, load: float) -> Workload:
-    if cfg.load_kind == "speedup":
-        return sped_up(cfg.base, load)
-    if cfg.regenerate is not None:
-        return cfg.regenerate(load)
-    return retimed(cfg.base, load, cfg.arrival, cfg.cv, cfg.seed)
 
 
 _JOB_CONFIG: SimConfig | None = None  # set before forking the workers (closures do not pickle)
