@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -25,6 +26,19 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass  # not Linux: stop() still ends the engines on a normal shutdown
+
+
+#: every embedded engine process alive, for a gateway that must end at once (its shutdown overran)
+_LIVE: set[subprocess.Popen] = set()
+
+
+def kill_all() -> None:
+    """SIGKILL every embedded engine still alive (a stopped one too: SIGTERM would wait for SIGCONT)."""
+    for p in list(_LIVE):
+        try:
+            p.kill()
+        except OSError:
+            pass
 
 
 class EmbeddedCluster:
@@ -49,6 +63,7 @@ class EmbeddedCluster:
                     "--profile", self.cfg.profile, "--time-scale", str(self.cfg.time_scale),
                     "--seed", str(self.cfg.seed + i), *self.cfg.extra_args]
             self.procs.append(subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent))
+            _LIVE.add(self.procs[-1])
             self.engines.append(EngineConfig(id=eid, role=role, url=f"http://127.0.0.1:{port}", kind="sim",
                                              kv_events=f"tcp://127.0.0.1:{kv}",
                                              kv_events_replay=f"tcp://127.0.0.1:{replay}",
@@ -72,14 +87,20 @@ class EmbeddedCluster:
                         raise RuntimeError(f"embedded engine {e.id} not ready after {timeout_s:.0f} s")
                     await asyncio.sleep(0.05)
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 2.0) -> None:
+        """Stop every engine within ``timeout_s``: SIGTERM (and SIGCONT, so a stopped one hears
+        it), then SIGKILL whatever is still there at the deadline."""
         for p in self.procs:
             if p.poll() is None:
                 p.terminate()
+                p.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + timeout_s
         for p in self.procs:
             try:
-                p.wait(timeout=5)
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 p.kill()
-                p.wait()
+        for p in self.procs:
+            p.wait()
+            _LIVE.discard(p)
         self.procs.clear()

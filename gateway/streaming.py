@@ -60,6 +60,14 @@ class UpstreamStream(Response):
         self.resp, self.extra_headers, self.on_done, self.idle_timeout_s = resp, headers, on_done, idle_timeout_s
         self.tally = StreamTally()
         self.status_code, self.background = 200, None
+        self.aborted: str | None = None
+
+    def abort(self, reason: str) -> None:
+        """End the forwarding from outside (the engine was found hung): the client gets an SSE
+        error saying why, then the stream ends as a failed one."""
+        if self.aborted is None:
+            self.aborted = reason
+            self.resp.close()  # the pending read fails at once
 
     async def __call__(self, scope, receive, send) -> None:
         main = asyncio.current_task()
@@ -113,7 +121,7 @@ class UpstreamStream(Response):
                         "more_body": True})
             return
         except aiohttp.ClientError as e:
-            tally.error = f"engine failed mid-stream: {e.__class__.__name__}"
+            tally.error = self.aborted or f"engine failed mid-stream: {e.__class__.__name__}"
             await send({"type": "http.response.body", "body": sse_error(502, tally.error, "upstream_failed"),
                         "more_body": True})
             return
