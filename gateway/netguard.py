@@ -5,10 +5,11 @@ out it is not only new connections that fail: the gateway's own connections to i
 (and must not be blamed on them), and libzmq (the KV-event sockets) aborts the whole process.
 So: the open-file limit is raised to its hard limit at start; client connections are capped
 well below it, leaving room for each connection's engine legs and a fixed reserve for the
-engines' health checks and KV-event sockets; at the cap an idle connection (no request in
-progress) is closed to make room, else the newcomer gets a 503; a connection must send its
-request head within ``header_timeout_s`` and its body within ``body_timeout_s`` (408, or a plain
-close when it sent nothing); and requests in progress are bounded (503 + Retry-After).
+engines' health checks and KV-event sockets; at the cap the oldest idle connection (no request
+in progress, else one still sending its body) is closed to make room, else the newcomer gets a
+503; a connection must send its request head within ``header_timeout_s`` and its body within
+``body_timeout_s`` (408, or a plain close when it sent nothing); and requests in progress are
+bounded (503 + Retry-After).
 """
 from __future__ import annotations
 
@@ -110,15 +111,21 @@ def guarded_protocol(limits: Limits) -> type[HttpToolsProtocol]:
 
         def _make_room(self) -> bool:
             """Close the oldest connection with no request in progress (idle keep-alive, or still
-            sending its head): a live request is never cut for a newcomer."""
-            for c in self.guard.conns:
-                if c.cycle is None or c.cycle.response_complete:
-                    self.guard.conns.pop(c, None)
-                    self.guard.count("evicted")
-                    c._disarm()
-                    c.transport.abort()  # frees the descriptor now, whatever the peer does
-                    return True
-            return False
+            sending its head), else the oldest still sending its body (its handler sees the client
+            gone): a request being answered is never cut for a newcomer."""
+            conns = self.guard.conns
+            victim = next((c for c in conns if c.cycle is None or c.cycle.response_complete), None)
+            if victim is None:
+                victim = next((c for c in conns if c.cycle.more_body and not c.cycle.response_started), None)
+                if victim is None:
+                    return False
+                victim.cycle.disconnected = True
+                victim.cycle.message_event.set()
+            conns.pop(victim, None)
+            self.guard.count("evicted")
+            victim._disarm()
+            victim.transport.abort()  # frees the descriptor now, whatever the peer does
+            return True
 
         def connection_lost(self, exc: Exception | None) -> None:
             self.guard.conns.pop(self, None)
