@@ -109,6 +109,8 @@ class KVEventSubscriber:
         except BaseException:
             sub.close(0)  # never leak a socket: one left open keeps the context (and process) alive
             raise
+        if not publisher_binds(self.endpoint) and self.endpoint.endswith(":0"):  # the port the OS chose
+            self.endpoint = sub.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._sub = sub
 
     def resync(self) -> None:

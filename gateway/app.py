@@ -39,9 +39,12 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
                 log.info("starting embedded cluster: %d prefill + %d decode + %d both (profile %s, time scale %g)",
                          em.prefill, em.decode, em.both, em.profile, em.time_scale)
                 embedded = EmbeddedCluster(em)
-                engines += embedded.start()
-                await embedded.wait_ready()
+                engines += embedded.plan()
             cluster = Cluster(cfg, engines)
+            cluster.open_kv_events()  # before the engines start: their KV-event ports are ours first
+            if embedded is not None:
+                embedded.launch()
+                await embedded.wait_ready()
             await cluster.start()
             tracer = provider.get_tracer("conductor") if provider else trace.NoOpTracer()
             metrics = GatewayMetrics()

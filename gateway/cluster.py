@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import aiohttp
+import zmq
 import zmq.asyncio
 
 from engines_adapters.drivers import Pair, PairDriver, UpstreamUnavailable, flavor
@@ -87,19 +88,34 @@ class Cluster:
                                               first_byte_timeout_s=self.cfg.upstream_first_byte_timeout_s,
                                               health_timeout_s=self.cfg.health_timeout_s)
             self.drivers[e.id] = fl.driver
-            if e.kv_events:
-                self._subscribe(e)
+        self.open_kv_events()
+        self._subscribe_all()
         await self.poll_once()
         for eid in self.clients:  # one loop per engine: a hung engine never delays another's checks
             self._tasks.append(asyncio.create_task(self._watch(eid), name=f"health-{eid}"))
 
-    def _subscribe(self, e: EngineConfig) -> None:
-        sub = KVEventSubscriber(self._zmq, e.id, e.kv_events, self.scheduler.index, engine_url=e.url,
-                                replay_endpoint=e.kv_events_replay,
-                                decode=flavor(KIND_FLAVORS[e.kind]).decode_kv_batch)
-        sub.open()
-        self.subscribers[e.id] = sub
-        self._sub_tasks[e.id] = asyncio.create_task(self._keep_subscribed(sub), name=f"kv-events-{e.id}")
+    def open_kv_events(self) -> None:
+        """Bind (or connect) every engine's KV-event socket, once. Called before engines start,
+        an endpoint with port 0 gets a port from the OS, written back into the engine's config:
+        no other socket can take it between choosing and binding (an engine's PUB connecting
+        early can even connect to itself on a port not yet bound)."""
+        for e in self.engines.values():
+            if e.kv_events and e.id not in self.subscribers:
+                sub = KVEventSubscriber(self._zmq, e.id, e.kv_events, self.scheduler.index, engine_url=e.url,
+                                        replay_endpoint=e.kv_events_replay,
+                                        decode=flavor(KIND_FLAVORS[e.kind]).decode_kv_batch)
+                try:
+                    sub.open()
+                except zmq.ZMQError as err:
+                    raise RuntimeError(f"cannot bind the KV-event socket {e.kv_events} of engine {e.id}: "
+                                       f"{err.strerror}") from None
+                e.kv_events = sub.endpoint
+                self.subscribers[e.id] = sub
+
+    def _subscribe_all(self) -> None:
+        for eid, sub in self.subscribers.items():
+            if eid not in self._sub_tasks:
+                self._sub_tasks[eid] = asyncio.create_task(self._keep_subscribed(sub), name=f"kv-events-{eid}")
 
     async def _keep_subscribed(self, sub: KVEventSubscriber) -> None:
         """A subscriber that fails (a socket error, a bug) is logged and restarted with backoff,
