@@ -83,16 +83,28 @@ class UpstreamStream(Response):
                     return
 
         watcher = asyncio.create_task(watch_disconnect())
+        started = False
         try:
             hdrs = [(k.encode(), v.encode()) for k, v in self.extra_headers.items()]
             hdrs.append((b"content-type", b"text/event-stream"))
             hdrs.append((b"cache-control", b"no-cache"))
             await send({"type": "http.response.start", "status": 200, "headers": hdrs})
+            started = True
             await self._pump(send)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
             if not tally.disconnected:
-                raise
+                if not started:
+                    raise
+                # not the client: the server is stopping (its graceful period is over): the
+                # stream ends cleanly with an error event rather than a cut connection
+                tally.error = "the gateway is shutting down"
+                try:
+                    async with asyncio.timeout(0.5):
+                        await send({"type": "http.response.body", "more_body": False,
+                                    "body": sse_error(503, tally.error, "shutting_down")})
+                except (TimeoutError, OSError):
+                    pass
             if hasattr(main, "uncancel"):
                 main.uncancel()
         finally:
