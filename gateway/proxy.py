@@ -43,6 +43,10 @@ class ClientGone(Exception):
     """The client disconnected before the gateway had a response for it."""
 
 
+class ServerStopping(Exception):
+    """The server's graceful period ended before the gateway had a response for the client."""
+
+
 class ReservationGuard:
     """Finishes the request on every way out of the handler that did not: an exception or a
     cancellation (``aborted``, 499 when the client is gone; ``error``, 500 for our own bug), or a
@@ -121,6 +125,11 @@ class Proxy:
             except ClientGone:
                 lc.finish("aborted", 499)
                 return Response(status_code=499)  # nobody is left to read it
+            except ServerStopping:
+                lc.finish("error", 503, error="shutting_down")
+                return error_response(503, "the gateway is shutting down; retry elsewhere or later",
+                                      "shutting_down", headers={"x-request-id": self._echo_id(rec),
+                                                                "retry-after": "1"})
 
     def _arrive(self, request: Request, endpoint: str) -> RequestLifecycle:
         arrival = time.monotonic()
@@ -143,7 +152,8 @@ class Proxy:
     async def _watching(self, request: Request, work: Awaitable[Response]) -> Response:
         """Run ``work`` (up to the response) while watching for the client leaving. uvicorn does
         not cancel a handler on disconnect: without this, a departed client's prefill leg and
-        non-streamed decode would run on, holding their reservation. Raises ClientGone then."""
+        non-streamed decode would run on, holding their reservation. Raises ClientGone then, or
+        ServerStopping when the cancellation is the server's (its graceful period is over)."""
         main = asyncio.current_task()
         assert main is not None
         state = {"active": True, "gone": False}
@@ -163,10 +173,10 @@ class Proxy:
             return result
         except asyncio.CancelledError:
             state["active"] = False
-            if not state["gone"]:
-                raise
             main.uncancel()
-            raise ClientGone() from None
+            # not the client leaving: the server stopping (uvicorn cancels what outlives its
+            # graceful period): a 503 the client can act on, not a bare 500
+            raise (ClientGone() if state["gone"] else ServerStopping()) from None
         finally:
             state["active"] = False
             watcher.cancel()

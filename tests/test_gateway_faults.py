@@ -192,6 +192,9 @@ def test_sigterm_with_streams_in_flight_ends_the_gateway_and_its_engines_in_time
                 "ignore_eos": True, "stream": True}
         responses = [requests.post(url + "/v1/chat/completions", json=body, stream=True, timeout=60)
                      for _ in range(6)]
+        pool = concurrent.futures.ThreadPoolExecutor(1)
+        whole = pool.submit(requests.post, url + "/v1/chat/completions", timeout=60,
+                            json={**body, "stream": False})  # a non-streamed answer still decoding
         try:
             assert all(r.status_code == 200 for r in responses)
             if hang_an_engine:
@@ -206,6 +209,11 @@ def test_sigterm_with_streams_in_flight_ends_the_gateway_and_its_engines_in_time
             for r in responses:
                 r.close()
         assert all(e[-1] == b"data: [DONE]" and b'"error"' in e[0] for e in endings), endings
+        cut = whole.result()  # answered, not dropped: 503 the client can retry
+        pool.shutdown()
+        # (with its decode engine hung, the answer may be the ejection's, before the shutdown's)
+        codes = {"shutting_down", "upstream_unavailable"} if hang_an_engine else {"shutting_down"}
+        assert cut.status_code == 503 and cut.json()["error"]["code"] in codes, cut.text
         assert took < 9.5, f"shutdown took {took:.1f} s"  # the bound: shutdown_timeout_s (8) + the watchdog margin (1)
         for _ in range(100):
             if all(_gone(e) for e in engines):
