@@ -213,19 +213,22 @@ def vllm_block_digests(
     parent: bytes | None = None,
     lora_name: str | None = None,
     cache_salt: str | None = None,
+    first: bool | None = None,
 ) -> list[bytes]:
     """Digests of every complete block, chained from ``parent`` (default NONE_HASH).
 
-    ``lora_name`` / ``cache_salt`` build each block's extra keys as vLLM does (the salt only on a
-    chain's first block, i.e. when ``parent`` is None); ``extra_keys`` instead gives every block
-    the same keys verbatim (multimodal or other keys the caller built itself)."""
+    ``lora_name`` / ``cache_salt`` build each block's extra keys as vLLM does (the salt only on the
+    request's first block: ``tokens[0]`` is the request's first token when ``first``, by default
+    when ``parent`` is None); ``extra_keys`` instead gives every block the same keys verbatim
+    (multimodal or other keys the caller built itself)."""
     fn = vllm_hash_fn(algo)
+    starts = parent is None if first is None else first
     prev = parent if parent is not None else vllm_none_hash(seed_text, algo)
     per_block = lora_name or cache_salt
     out = []
     for i in range(len(tokens) // block_size):
         block = tuple(tokens[i * block_size : (i + 1) * block_size])
-        keys = vllm_extra_keys(i == 0 and parent is None, lora_name, cache_salt) if per_block else extra_keys
+        keys = vllm_extra_keys(i == 0 and starts, lora_name, cache_salt) if per_block else extra_keys
         prev = fn((prev, block, keys))
         out.append(prev)
     return out

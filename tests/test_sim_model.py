@@ -368,3 +368,36 @@ def test_step_duration_is_exactly_the_sum_of_its_operator_terms():
             assert t.duration(tok, seqs, ctx, kv) == (t._overhead + t.linear(tok, seqs)
                                                       + ctx * t._attn_flops_per_ctx / t._attn_rate
                                                       + kv * t._kv_bytes / t._kv_rate + t.allreduce(tok))
+
+
+@pytest.mark.parametrize("event_hashes", ["vllm", "index"])
+def test_cache_salt_and_adapter_namespace_the_prefix_cache(event_hashes):
+    """Issue 14: salts and LoRA adapters are separate prefix-cache namespaces (vLLM's extra keys);
+    the events say which, and feed the gateway's hit index so it predicts exactly those hits."""
+    from engines_adapters.kv_events import apply_events
+    from scheduler.hashing import block_hashes, namespace_parent, vllm_block_hashes
+    from scheduler.hit_index import HitIndex
+
+    e = EngineModel(PROFILE, noise=0, kv_events=True, event_hashes=event_hashes)
+    index = HitIndex(BS, trust_event_hashes=event_hashes == "index")
+    index.register("e")
+    p = prompt(20 * BS + 3)
+    full = 20 * BS
+    now, served, events = 0.0, {}, []
+    for rid, salt, lora in [("a1", "a", None), ("b", "b", None), ("plain", None, None), ("a2", "a", None),
+                            ("l1", None, "sql"), ("l2", None, "sql"), ("la", "a", "sql"), ("la2", "a", "sql")]:
+        predicted = index.match(block_hashes(p, BS, parent=namespace_parent(salt, lora))).device.get("e", 0)
+        e.add_request(SimRequest(rid, p, 1, output_len=1, cache_salt=salt, lora_name=lora), now)
+        f, res, now = drain(e, now)
+        served[rid] = (predicted * BS, f[rid].cached_tokens)
+        new = [ev for r in res for ev in r.events]
+        events += new
+        apply_events(index, "e", new)
+    assert served == {"a1": (0, 0), "b": (0, 0), "plain": (0, 0), "a2": (full, full),
+                      "l1": (0, 0), "l2": (full, full), "la": (0, 0), "la2": (full, full)}
+    roots = [ev for ev in events if isinstance(ev, BlockStored) and ev.parent_block_hash is None]
+    la = roots[-1]
+    assert la.lora_name == "sql" and la.lora_id and la.group_idx == 0
+    assert la.extra_keys[:2] == [("sql", "a"), ("sql",)]
+    if event_hashes == "vllm":
+        assert la.block_hashes == vllm_block_hashes(p, BS, lora_name="sql", cache_salt="a")

@@ -23,10 +23,17 @@ import random
 from collections import deque
 
 from predictors.types import ROLES
-from scheduler.hashing import block_hashes, digest_to_int, vllm_block_digests, vllm_none_hash
+from scheduler.hashing import (
+    block_hashes,
+    digest_to_int,
+    namespace_parent,
+    vllm_block_digests,
+    vllm_extra_keys,
+    vllm_none_hash,
+)
 
 from ..kv_wire import MEDIUM_GPU, BlockStored
-from .kv_cache import Block, KVCache
+from .kv_cache import Block, KVCache, lora_int_id
 from .profiles import Profile
 from .records import EngineStats, Finished, FirstToken, HeldKV, SimRequest, StepResult
 from .text import OutputSampler
@@ -45,7 +52,7 @@ class _Seq:
                  "hashes", "nb", "n_alloc", "cap", "computed", "num_out", "out_off", "state",
                  "looked_up", "arrival", "scheduled", "first_token", "cached_tokens", "transfer_s",
                  "preemptions", "load_kind", "load_hits", "load_start", "hold_expires", "decoding", "loaded",
-                 "lookup_hits")
+                 "lookup_hits", "root", "salt", "lora")
 
     def __init__(self, req: SimRequest, now: float, hashes: list[int], out_off: int, target: int):
         self.rid = req.request_id
@@ -78,6 +85,9 @@ class _Seq:
         self.decoding = False  # sampled at the end of its prefill: one token per step from now on
         self.loaded = False  # holds KV loaded from a remote instance or the host tier
         self.lookup_hits = 0  # prefix tokens found by the pending lookup (counted on admission)
+        self.salt = req.cache_salt or None
+        self.lora = req.lora_name or None
+        self.root = namespace_parent(self.salt, self.lora)  # the chain's root: its prefix-cache namespace
 
     @property
     def num_tokens(self) -> int:
@@ -174,7 +184,8 @@ class EngineModel:
         if -(-(P + target) // bs) > self.kv.capacity:
             raise ValueError(f"prompt of {P} tokens plus {target} output tokens needs more KV blocks than the "
                              f"cache holds ({self.kv.capacity} blocks of {bs})")
-        hashes = block_hashes(req.prompt, bs) if req.block_hashes is None else list(req.block_hashes)
+        hashes = (block_hashes(req.prompt, bs, parent=namespace_parent(req.cache_salt, req.lora_name))
+                  if req.block_hashes is None else list(req.block_hashes))
         s = _Seq(req, now, hashes, off, max(1, target))
         self._seqs[rid] = s
         self._waiting.append(s)
@@ -567,7 +578,8 @@ class EngineModel:
         hashes = s.hashes
         first = s.nb
         for bi in range(max(first, len(hashes)), upto):  # output blocks: extend the chain
-            hashes.append(block_hashes(self._tokens(s, bi * bs, (bi + 1) * bs), bs, hashes[bi - 1] if bi else None)[0])
+            parent = hashes[bi - 1] if bi else s.root
+            hashes.append(block_hashes(self._tokens(s, bi * bs, (bi + 1) * bs), bs, parent)[0])
         if upto <= first:
             return
         new = kv.commit_many(hashes, first, upto)
@@ -585,12 +597,17 @@ class EngineModel:
         hashes_all = s.hashes
         events = kv.events
         assert events is not None
+        lora, salt = s.lora, s.salt
+        lora_id = lora_int_id(lora)
         for a, b in _runs(idxs):
             tokens = self._tokens(s, a * bs, b * bs)
+            # as vLLM's BlockPool: one extra-keys entry per block (LoRA name, salt on block 0), group 0
+            keys = [vllm_extra_keys(a + off == 0, lora, salt) for off in range(b - a)]
             if meta is None:  # index ids, no host tier: a block's id is its hash
                 events.append(BlockStored(
                     block_hashes=hashes_all[a:b], parent_block_hash=hashes_all[a - 1] if a else None,
-                    token_ids=tokens, block_size=bs, lora_id=None, medium=MEDIUM_GPU, lora_name=None))
+                    token_ids=tokens, block_size=bs, lora_id=lora_id, medium=MEDIUM_GPU, lora_name=lora,
+                    extra_keys=keys, group_idx=0))
                 continue
             parent = meta[hashes_all[a - 1]] if a else None
             parent_vh = parent.vh if parent else None
@@ -599,18 +616,20 @@ class EngineModel:
                 for off in range(b - a):
                     h = hashes_all[a + off]
                     meta[h] = Block(h, None, parent_vh if off == 0 else hashes[-1],
-                                    tuple(tokens[off * bs:(off + 1) * bs]) if keep_tokens else None)
+                                    tuple(tokens[off * bs:(off + 1) * bs]) if keep_tokens else None, keys[off], lora)
                     hashes.append(h)
             else:
-                digests = vllm_block_digests(tokens, bs, parent=parent.vdigest if parent else self._none_digest)
+                digests = vllm_block_digests(tokens, bs, parent=parent.vdigest if parent else self._none_digest,
+                                             lora_name=lora, cache_salt=salt, first=a == 0)
                 for off, d in enumerate(digests):
                     vh = digest_to_int(d)
                     meta[hashes_all[a + off]] = Block(vh, d, parent_vh if off == 0 else hashes[-1],
-                                                      tuple(tokens[off * bs:(off + 1) * bs]) if keep_tokens else None)
+                                                      tuple(tokens[off * bs:(off + 1) * bs]) if keep_tokens else None,
+                                                      keys[off], lora)
                     hashes.append(vh)
             events.append(BlockStored(
                 block_hashes=hashes, parent_block_hash=parent_vh, token_ids=tokens, block_size=bs,
-                lora_id=None, medium=MEDIUM_GPU, lora_name=None))
+                lora_id=lora_id, medium=MEDIUM_GPU, lora_name=lora, extra_keys=keys, group_idx=0))
 
 
 def _runs(idxs: list[int]) -> list[tuple[int, int]]:
