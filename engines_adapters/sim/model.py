@@ -602,7 +602,8 @@ class EngineModel:
         for a, b in _runs(idxs):
             tokens = self._tokens(s, a * bs, b * bs)
             # as vLLM's BlockPool: one extra-keys entry per block (LoRA name, salt on block 0), group 0
-            keys = [vllm_extra_keys(a + off == 0, lora, salt) for off in range(b - a)]
+            keys = ([vllm_extra_keys(a + off == 0, lora, salt) for off in range(b - a)] if lora or salt
+                    else [None] * (b - a))
             if meta is None:  # index ids, no host tier: a block's id is its hash
                 events.append(BlockStored(
                     block_hashes=hashes_all[a:b], parent_block_hash=hashes_all[a - 1] if a else None,
