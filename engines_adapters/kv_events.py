@@ -49,10 +49,15 @@ class HitIndexSink(Protocol):
 
 
 def apply_events(sink: HitIndexSink, instance_id: str, events: list) -> int:
-    """Apply one batch of decoded KV events to the hit index; returns how many it ignored.
-    The live subscriber and the virtual-time simulator both feed the index through here."""
+    """Apply one batch of decoded KV events to the hit index; returns how many it ignored (a run
+    of removals counts once). The live subscriber and the virtual-time simulator both feed the
+    index through here. vLLM sends one BlockRemoved per evicted block: consecutive ones of the
+    same medium and group go to the index in one call (the same result, a fraction of the calls)."""
     ignored = 0
-    for ev in events:
+    i, n = 0, len(events)
+    while i < n:
+        ev = events[i]
+        i += 1
         if isinstance(ev, BlockStored):
             parent = ev.parent_block_hash
             ok = sink.block_stored(instance_id, int_hashes(ev.block_hashes),
@@ -60,7 +65,12 @@ def apply_events(sink: HitIndexSink, instance_id: str, events: list) -> int:
                                    ev.block_size, ev.medium, extra_keys=ev.extra_keys, lora_name=ev.lora_name,
                                    group_idx=ev.group_idx)
         elif isinstance(ev, BlockRemoved):
-            ok = sink.block_removed(instance_id, int_hashes(ev.block_hashes), ev.medium, group_idx=ev.group_idx)
+            hashes = int_hashes(ev.block_hashes)
+            medium, group = ev.medium, ev.group_idx
+            while i < n and type(nxt := events[i]) is BlockRemoved and nxt.medium == medium and nxt.group_idx == group:
+                hashes += int_hashes(nxt.block_hashes)
+                i += 1
+            ok = sink.block_removed(instance_id, hashes, medium, group_idx=group)
         elif isinstance(ev, AllBlocksCleared):
             sink.all_cleared(instance_id)
             ok = True

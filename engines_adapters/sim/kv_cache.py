@@ -61,9 +61,11 @@ class KVCache:
     slack = 4096  # consumed / stale LRU entries tolerated before the list is trimmed
 
     def __init__(self, capacity_blocks: int, block_size: int, host_blocks: int = 0, events: bool = False,
-                 meta: bool = True):
+                 meta: bool = True, merge_removals: bool = False):
         """``meta``: keep a ``Block`` per cached block (events on; needed for vLLM ids or a host
-        tier). Without it, events name a block by its hash."""
+        tier). Without it, events name a block by its hash. ``merge_removals``: consecutive
+        removals in one BlockRemoved (the in-process simulator, whose events never reach a wire:
+        a tenth of the objects); otherwise one per block, as vLLM sends them."""
         if capacity_blocks <= 0:
             raise ValueError(f"KV capacity must be at least one block, got {capacity_blocks}")
         self.capacity = capacity_blocks
@@ -80,6 +82,7 @@ class KVCache:
         self.meta: dict[int, Block] | None = {} if events and meta else None
         self.evictions = 0
         self.offloads = 0
+        self.merge_removals = merge_removals
 
     # --- capacity ---------------------------------------------------------------------------
     def num_free(self) -> int:
@@ -162,8 +165,16 @@ class KVCache:
 
     def _removed(self, vhs: list[int], medium: str) -> None:
         """One BlockRemoved per block, as vLLM's BlockPool sends them (group 0: one KV-cache group)."""
-        assert self.events is not None
-        self.events.extend([BlockRemoved(block_hashes=[vh], medium=medium, group_idx=0) for vh in vhs])
+        ev = self.events
+        assert ev is not None
+        if not self.merge_removals:
+            ev.extend([BlockRemoved(block_hashes=[vh], medium=medium, group_idx=0) for vh in vhs])
+            return
+        last = ev[-1] if ev else None
+        if type(last) is BlockRemoved and last.medium == medium:
+            last.block_hashes.extend(vhs)
+        else:
+            ev.append(BlockRemoved(block_hashes=list(vhs), medium=medium, group_idx=0))
 
     # --- prefix lookup ----------------------------------------------------------------------
     def match_gpu(self, hashes: list[int], limit: int) -> int:

@@ -121,7 +121,7 @@ class EngineModel:
         host_blocks = host_tier_tokens // block_size
         # per-block event metadata only where a hash is not the event id or an offload repeats it
         self.kv = KVCache(cap_tokens // block_size, block_size, host_blocks, kv_events,
-                          meta=event_hashes != "index" or host_blocks > 0)
+                          meta=event_hashes != "index" or host_blocks > 0, merge_removals=event_hashes == "index")
         # a sequence longer than the whole cache could never finish (vLLM refuses such a
         # max_model_len at start-up): clamp, so the API answers 400 instead of a hang
         self.max_model_len = min(self.max_model_len, self.kv.capacity * block_size)
@@ -139,8 +139,9 @@ class EngineModel:
         if event_hashes not in ("vllm", "index"):
             raise ValueError(f"event_hashes must be 'vllm' or 'index', got {event_hashes!r}")
         # "vllm": events name blocks by vLLM's sha256 ids, as on the wire; "index": by the chained
-        # xxhash the engine already keys its cache by (the simulator's choice: a subscriber
-        # re-hashes the events' token ids either way, and sha256 per block dominates its run time)
+        # xxhash the engine already keys its cache by, removals merged (the simulator's choice: a
+        # subscriber re-hashes the events' token ids either way, sha256 per block dominates its run
+        # time, and one BlockRemoved per block would add a tenth to it)
         self._index_ids = event_hashes == "index"
         self._none_digest = vllm_none_hash() if kv_events and not self._index_ids else None
         self._waiting: deque[_Seq] = deque()
