@@ -34,8 +34,8 @@ TOKENS = list(range(100, 116))  # 4 blocks
 N = len(TOKENS) // BS
 
 
-def digests(tokens=TOKENS, lora=None, salt=None):
-    return vllm_block_digests(tokens, BS, seed_text="0", lora_name=lora, cache_salt=salt)
+def digests(tokens=TOKENS, lora=None, salt=None, algo="sha256"):
+    return vllm_block_digests(tokens, BS, seed_text="0", lora_name=lora, cache_salt=salt, algo=algo)
 
 
 def ints(ds):
@@ -85,10 +85,12 @@ def fresh(*ids):
 
 # --- block hashes as ints or as bytes --------------------------------------------------------
 
+@pytest.mark.parametrize("algo", ["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"])
 @pytest.mark.parametrize("as_bytes", [False, True], ids=["int-hashes", "bytes-hashes"])
 @pytest.mark.parametrize("as_map", [False, True], ids=["array-batch", "map-batch"])
-def test_stored_then_removed_one_per_hash(as_bytes, as_map):
-    ds = digests()
+def test_stored_then_removed_one_per_hash(as_bytes, as_map, algo):
+    """Every prefix-caching algorithm (32- or 16-byte digests), either id form, either batch shape."""
+    ds = digests(algo=algo)
     hs = ds if as_bytes else ints(ds)
     index = fresh()
     # vLLM 0.33 chains a request's blocks over two events: the second names the first's last block

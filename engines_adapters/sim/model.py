@@ -19,6 +19,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import os
 import random
 from collections import deque
 
@@ -29,7 +30,9 @@ from scheduler.hashing import (
     namespace_parent,
     vllm_block_digests,
     vllm_extra_keys,
+    vllm_hash_fn,
     vllm_none_hash,
+    vllm_seed_text,
 )
 
 from ..kv_wire import MEDIUM_GPU, BlockStored
@@ -102,7 +105,7 @@ class EngineModel:
                  kv_hold_timeout: float = 30.0,
                  net_bytes_per_s: float | None = None, transfer_latency_s: float | None = None,
                  host_bytes_per_s: float | None = None, median_output: int = 128,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, hash_algo: str = "sha256", int_block_hashes: bool = True):
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         if block_size <= 0 or max_num_seqs <= 0 or max_num_batched_tokens <= 0:
@@ -143,7 +146,16 @@ class EngineModel:
         # subscriber re-hashes the events' token ids either way, sha256 per block dominates its run
         # time, and one BlockRemoved per block would add a tenth to it)
         self._index_ids = event_hashes == "index"
-        self._none_digest = vllm_none_hash() if kv_events and not self._index_ids else None
+        # vLLM's --prefix-caching-hash-algo, and VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES (False: events
+        # carry the raw digests); unset PYTHONHASHSEED with an xxhash algo: a random seed, as vLLM
+        self.hash_algo = hash_algo
+        self._int_ids = int_block_hashes
+        try:
+            seed_text = vllm_seed_text(hash_algo)
+        except ValueError:
+            vllm_hash_fn(hash_algo)  # an unknown algo is an error; a missing seed is vLLM's random one
+            seed_text = os.urandom(32).hex()
+        self._none_digest = vllm_none_hash(seed_text, hash_algo) if kv_events and not self._index_ids else None
         self._waiting: deque[_Seq] = deque()
         self._prefilling: list[_Seq] = []
         self._decoding: list[_Seq] = []
@@ -622,9 +634,9 @@ class EngineModel:
                     hashes.append(h)
             else:
                 digests = vllm_block_digests(tokens, bs, parent=parent.vdigest if parent else self._none_digest,
-                                             lora_name=lora, cache_salt=salt, first=a == 0)
+                                             algo=self.hash_algo, lora_name=lora, cache_salt=salt, first=a == 0)
                 for off, d in enumerate(digests):
-                    vh = digest_to_int(d)
+                    vh = digest_to_int(d) if self._int_ids else d
                     meta[hashes_all[a + off]] = Block(vh, d, parent_vh if off == 0 else hashes[-1],
                                                       tuple(tokens[off * bs:(off + 1) * bs]) if keep_tokens else None,
                                                       keys[off], lora)
