@@ -472,6 +472,8 @@ class HitIndex:
         total += self._multi * _INT_BYTES  # masks of several holders (single ones are interned)
         for emap in self._engine.values():
             total += sys.getsizeof(emap) + len(emap) * _INT_BYTES  # engine-hash keys; values are the keys above
+        for groups in self._groups.values():  # hybrid-model instances: a (tier, hash) tuple and a mask each
+            total += sys.getsizeof(groups) + len(groups) * (sys.getsizeof((0, 0)) + _INT_BYTES)
         return total
 
 
