@@ -23,7 +23,7 @@ from scheduler import Instance, Scheduler
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 #: how often a healthy engine's served models are asked again (they rarely change)
-MODELS_EVERY_S = 30.0
+MODELS_EVERY_S = 1.0
 
 #: The engine flavour (PD protocol, metric names, KV-event wire) each configured ``kind`` speaks:
 #: the sim engine mirrors vLLM 0.33.
@@ -55,6 +55,7 @@ class Cluster:
         self.healthy: dict[str, bool] = {e.id: False for e in engines}
         self.failures: dict[str, int] = {e.id: 0 for e in engines}
         self.models: list[str] = []
+        self.adapters: set[str] = set()  # LoRA adapters the engines list (a /v1/models entry with a parent)
         self._zmq = zmq.asyncio.Context()
         self._tasks: list[asyncio.Task] = []
         self._sub_tasks: dict[str, asyncio.Task] = {}
@@ -63,7 +64,7 @@ class Cluster:
         self._eject_waiters: dict[str, set[asyncio.Future]] = {e.id: set() for e in engines}
         self._open: dict[str, dict[object, Callable[[str], None]]] = {e.id: {} for e in engines}
         self._models_at: dict[str, float] = {}
-        self._served: dict[str, list[str]] = {}
+        self._served: dict[str, list[dict]] = {}  # each engine's /v1/models entries, last known
 
     async def start(self) -> None:
         """Open the engines' clients, the KV-event subscribers, the first health poll; a failure
@@ -186,7 +187,7 @@ class Cluster:
         want_models = now - self._models_at.get(eid, -MODELS_EVERY_S) >= MODELS_EVERY_S
         # health, load and models at once: a probe lasts at most one timeout, not three
         ok, load, served = await asyncio.gather(
-            client.health(), client.load(), client.models() if want_models else _none())
+            client.health(), client.load(), client.model_cards() if want_models else _none())
         if ok is None:  # the gateway could not even try (out of descriptors): no evidence either way
             return
         if ok:
@@ -205,7 +206,9 @@ class Cluster:
             if served:
                 self._models_at[eid] = now
                 self._served[eid] = served
-                self.models = sorted({m for ms in self._served.values() for m in ms})
+                cards = [m for ms in self._served.values() for m in ms]
+                self.models = sorted({m["id"] for m in cards})
+                self.adapters = {m["id"] for m in cards if m.get("parent") and m.get("parent") != m["id"]}
             return
         self.failures[eid] += 1
         if self.healthy[eid] and self.failures[eid] >= self.cfg.eject_after_failures:
