@@ -173,15 +173,27 @@ class Cluster:
         while True:
             started = time.monotonic()
             try:
-                await self._poll(eid)
+                self._learn_models({eid: await self._poll(eid)})
             except Exception:  # polling must outlive any one bad answer
                 log.exception("health poll of %s failed", eid)
             await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
 
     async def poll_once(self) -> None:
-        await asyncio.gather(*(self._poll(i) for i in list(self.clients)))
+        ids = list(self.clients)
+        self._learn_models(dict(zip(ids, await asyncio.gather(*(self._poll(i) for i in ids)), strict=True)))
 
-    async def _poll(self, eid: str) -> None:
+    def _learn_models(self, answers: dict[str, list[dict] | None]) -> None:
+        """The served models and LoRA adapters: the union of each engine's last /v1/models list."""
+        fresh = {eid: cards for eid, cards in answers.items() if cards}
+        if not fresh:
+            return
+        self._served.update(fresh)
+        cards = [m for ms in self._served.values() for m in ms]
+        self.models = sorted({m["id"] for m in cards})
+        self.adapters = {m["id"] for m in cards if m.get("parent") and m.get("parent") != m["id"]}
+
+    async def _poll(self, eid: str) -> list[dict] | None:
+        """One probe of ``eid``; returns its /v1/models entries when they were asked for and given."""
         client = self.clients[eid]
         now = time.monotonic()
         want_models = now - self._models_at.get(eid, -MODELS_EVERY_S) >= MODELS_EVERY_S
@@ -189,7 +201,7 @@ class Cluster:
         ok, load, served = await asyncio.gather(
             client.health(), client.load(), client.model_cards() if want_models else _none())
         if ok is None:  # the gateway could not even try (out of descriptors): no evidence either way
-            return
+            return None
         if ok:
             if self.failures[eid] and eid in self.subscribers:
                 # back after an outage, however short: it may have restarted with an empty cache
@@ -205,17 +217,14 @@ class Cluster:
                     self.scheduler.set_capacity(eid, kv_capacity_tokens=load.kv_capacity_tokens)  # the engine's own
             if served:
                 self._models_at[eid] = now
-                self._served[eid] = served
-                cards = [m for ms in self._served.values() for m in ms]
-                self.models = sorted({m["id"] for m in cards})
-                self.adapters = {m["id"] for m in cards if m.get("parent") and m.get("parent") != m["id"]}
-            return
+            return served
         self.failures[eid] += 1
         if self.healthy[eid] and self.failures[eid] >= self.cfg.eject_after_failures:
             log.warning("instance %s failed %d health checks: ejected, its requests in progress ended",
                         eid, self.failures[eid])
             self.set_healthy(eid, False)
             self._end_work_on(eid, f"engine {eid} stopped answering health checks (ejected)")
+        return None
 
     def _end_work_on(self, eid: str, reason: str) -> None:
         """An engine found hung: requests waiting for its first byte are retried elsewhere, and
