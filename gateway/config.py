@@ -64,7 +64,7 @@ class GatewayConfig:
     upstream_timeout_s: float = 300.0  # a whole non-streamed answer
     default_max_tokens: int = 256
     health_interval_s: float = 0.5
-    health_timeout_s: float = 1.0  # a probe not answered in this long failed (a hung engine)
+    health_timeout_s: float = 0.8  # a probe not answered in this long failed (a hung engine)
     eject_after_failures: int = 2
     # client connections (gateway/netguard.py): 0 = derived from the open-file limit
     max_connections: int = 0
