@@ -5,7 +5,7 @@ import contextlib
 import gc
 import logging
 
-from fastapi import FastAPI, Query
+from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -13,10 +13,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from gateway.admin import decisions_page, number_decisions
+from gateway.auth import EdgeGuard
 from gateway.cluster import Cluster
 from gateway.config import GatewayConfig
 from gateway.embedded import EmbeddedCluster
-from gateway.errors import error_response
+from gateway.errors import RequestError, error_response
 from gateway.observability import GatewayMetrics, TelemetryWriter, make_tracer_provider
 from gateway.proxy import Proxy
 from gateway.tokenizers import BuiltinTokenizer, EngineTokenizer, HFTokenizer
@@ -26,6 +28,7 @@ log = logging.getLogger("conductor")
 
 def create_app(cfg: GatewayConfig) -> FastAPI:
     state: dict = {}
+    gw_metrics = GatewayMetrics()  # before the app runs: the edge guard counts its refusals in it
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -38,15 +41,15 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
                 em = cfg.embedded
                 log.info("starting embedded cluster: %d prefill + %d decode + %d both (profile %s, time scale %g)",
                          em.prefill, em.decode, em.both, em.profile, em.time_scale)
-                embedded = EmbeddedCluster(em)
+                embedded = EmbeddedCluster(em, api_key=cfg.auth.engine_api_key)
                 engines += embedded.start()
                 await embedded.wait_ready()
             cluster = Cluster(cfg, engines)
+            number_decisions(cluster.scheduler)
             await cluster.start()
             tracer = provider.get_tracer("conductor") if provider else trace.NoOpTracer()
-            metrics = GatewayMetrics()
-            state.update(cluster=cluster, metrics=metrics,
-                         proxy=Proxy(cfg, cluster, metrics, telemetry, _tokenizer(cfg, cluster), tracer))
+            state.update(cluster=cluster, metrics=gw_metrics,
+                         proxy=Proxy(cfg, cluster, gw_metrics, telemetry, _tokenizer(cfg, cluster), tracer))
             gc.collect()
             gc.freeze()  # start-up objects leave the collector's view: no full-GC pauses on decisions
             log.info("cluster: %s; ready=%s", ", ".join(f"{e.id}({e.role}) {e.url}" for e in engines), cluster.ready())
@@ -100,10 +103,13 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
     async def admin_cluster():
         return state["cluster"].admin_view()
 
-    @app.get("/admin/decisions")
-    async def admin_decisions(limit: int = Query(20, ge=1, le=10_000)):
-        decisions = state["cluster"].scheduler.decisions
-        return {"decisions": list(decisions)[-limit:]}
+    async def admin_decisions(request: Request):
+        try:
+            return decisions_page(state["cluster"].scheduler.decisions, request.query_params)
+        except RequestError as e:
+            return e.response()
+
+    app.add_route("/admin/decisions", admin_decisions, methods=["GET"])
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
@@ -117,6 +123,13 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
         return error_response(400, f"invalid parameter {param}: {first.get('msg', 'invalid')}", "invalid_parameter",
                               param)
 
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, exc: Exception):
+        """A bug of ours still answers in the API's error shape (uvicorn logs the traceback)."""
+        return error_response(500, f"internal error: {type(exc).__name__}", "internal_error")
+
+    app.add_middleware(EdgeGuard, auth=cfg.auth, max_header_bytes=cfg.max_header_bytes,
+                       on_refused=lambda reason: gw_metrics.refused.labels(reason).inc())
     return app
 
 

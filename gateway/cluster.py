@@ -60,7 +60,8 @@ class Cluster:
             fl = flavor(KIND_FLAVORS[e.kind])
             self.clients[e.id] = EngineClient(self.session, e.id, e.url, flavor=fl.name,
                                               connect_timeout_s=self.cfg.upstream_connect_timeout_s,
-                                              timeout_s=self.cfg.upstream_timeout_s)
+                                              timeout_s=self.cfg.upstream_timeout_s,
+                                              api_key=e.api_key or self.cfg.auth.engine_api_key)
             self.drivers[e.id] = fl.driver
             if e.kv_events:
                 self._subscribe(e)

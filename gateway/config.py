@@ -3,9 +3,11 @@ examples/conductor.toml), or nothing for the embedded simulated cluster."""
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.auth import AuthConfig, AuthConfigError, parse_auth
 from predictors.analytic import Prior
 from predictors.facts import load_deployment
 from predictors.telemetry import SLO
@@ -31,6 +33,7 @@ class EngineConfig:
     kv_capacity_tokens: int | None = None  # None: estimated, then learned from the engine's /metrics
     max_model_len: int | None = None  # None: the model card's
     profile: str | None = None  # deprecated alias of deployment
+    api_key: str | None = field(default=None, repr=False)  # sent as a Bearer token (vLLM --api-key)
 
 
 @dataclass
@@ -73,6 +76,12 @@ class GatewayConfig:
     keep_decisions: int = 1000
     policy_params: dict[str, Any] = field(default_factory=dict)
     prior: Prior = field(default_factory=Prior)  # the analytic predictors' rules of thumb ([prior])
+    auth: AuthConfig = field(default_factory=AuthConfig)  # [auth]: client keys, admin token, hosts (gateway/auth.py)
+    max_header_bytes: int = 16 * 1024  # a request's head (request line and headers): 431 beyond
+    # a prompt longer than the longest served context (max_model_len) x this many characters a
+    # token is refused before tokenizing; default: 1 for the built-in byte tokenizer (exact: a
+    # character is at least one byte-token), 8 for the others (natural text averages about 4)
+    prompt_chars_per_token: float | None = None
 
 
 def _take(section: dict[str, Any], cls, where: str):
@@ -86,13 +95,18 @@ def _take(section: dict[str, Any], cls, where: str):
         raise ConfigError(f"{where}: {e}") from None
 
 
-def parse_config(raw: dict[str, Any]) -> GatewayConfig:
+def parse_config(raw: dict[str, Any], environ: Mapping[str, str] | None = None) -> GatewayConfig:
     raw = dict(raw)
     engines = [_take(dict(e), EngineConfig, f"engines[{i}]") for i, e in enumerate(raw.pop("engines", []))]
     embedded_raw = raw.pop("embedded", None)
     slo_raw = raw.pop("slo", None)
     prior_raw = raw.pop("prior", None)
+    auth_raw = raw.pop("auth", None)
     cfg = _take(raw, GatewayConfig, "config")
+    try:
+        cfg.auth = parse_auth(auth_raw, environ)
+    except AuthConfigError as e:
+        raise ConfigError(str(e)) from None
     cfg.engines = engines
     if slo_raw is not None:
         unknown = set(slo_raw) - {"ttft_ms", "tbt_ms"}
@@ -150,6 +164,8 @@ def validate(cfg: GatewayConfig) -> None:
             load_deployment(e.deployment)
         except KeyError as err:
             raise ConfigError(f"engine {e.id}: {err.args[0]}") from None
+        if e.api_key is not None and (not isinstance(e.api_key, str) or not e.api_key):
+            raise ConfigError(f"engine {e.id}: api_key must be a non-empty string")
         for name in ("kv_capacity_tokens", "max_model_len"):
             v = getattr(e, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
@@ -172,8 +188,11 @@ def validate(cfg: GatewayConfig) -> None:
         raise ConfigError(f"tokenizer must be one of {TOKENIZERS}, got {cfg.tokenizer!r}")
     if cfg.tokenizer == "hf" and not cfg.tokenizer_path:
         raise ConfigError("tokenizer 'hf' needs tokenizer_path (a Hugging Face tokenizer directory)")
-    if cfg.block_size <= 0 or cfg.max_body_bytes <= 0 or cfg.default_max_tokens <= 0:
-        raise ConfigError("block_size, max_body_bytes and default_max_tokens must be positive")
+    if cfg.block_size <= 0 or cfg.max_body_bytes <= 0 or cfg.default_max_tokens <= 0 or cfg.max_header_bytes <= 0:
+        raise ConfigError("block_size, max_body_bytes, max_header_bytes and default_max_tokens must be positive")
+    cpt = cfg.prompt_chars_per_token
+    if cpt is not None and (isinstance(cpt, bool) or not isinstance(cpt, (int, float)) or not cpt >= 1):
+        raise ConfigError(f"prompt_chars_per_token must be a number >= 1, got {cpt!r}")
     if cfg.otel_exporter not in ("none", "console", "otlp"):
         raise ConfigError(f"otel_exporter must be none, console or otlp, got {cfg.otel_exporter!r}")
 
