@@ -20,6 +20,7 @@ from gateway.config import GatewayConfig
 from gateway.embedded import EmbeddedCluster
 from gateway.errors import RequestError, error_response
 from gateway.observability import GatewayMetrics, TelemetryWriter, make_tracer_provider
+from gateway.openapi import add_routes_outside_fastapi
 from gateway.proxy import Proxy
 from gateway.tokenizers import BuiltinTokenizer, EngineTokenizer, HFTokenizer
 
@@ -122,6 +123,14 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
         param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
         return error_response(400, f"invalid parameter {param}: {first.get('msg', 'invalid')}", "invalid_parameter",
                               param)
+
+    fastapi_openapi = app.openapi
+
+    def openapi() -> dict:
+        cluster = state.get("cluster")
+        return add_routes_outside_fastapi(fastapi_openapi(), cluster.models if cluster is not None else [])
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
     @app.exception_handler(Exception)
     async def server_error(request: Request, exc: Exception):

@@ -207,13 +207,12 @@ def slo_override(headers, configured: SLO, trusted: bool = False) -> SLO | None:
         if raw is None:
             continue
         try:
-            v = float(raw)
+            v = float(raw) / 1000.0
         except ValueError:
             v = -1.0
-        if not 0 < v < math.inf:
+        if not 0 < v < math.inf:  # 1e-320 ms is 0 s: no SLO at all, not a tight one
             raise RequestError(400, f"header {name} must be a positive number of milliseconds, got {raw[:40]!r}",
                                "invalid_header", name)
-        v /= 1000.0
         limit = getattr(configured, key)
         vals[key] = v if trusted or limit is None else min(v, limit)
     return SLO(**vals) if vals else None
