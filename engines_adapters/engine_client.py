@@ -18,19 +18,38 @@ def _dumps(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
+class EngineSession:
+    """The gateway's shared session as one engine's calls use it: each call carries the engine's
+    API key (vLLM's ``--api-key``: ``Authorization: Bearer``) and asks for identity encoding, and
+    a body the engine compresses anyway is decompressed: the gateway forwards an engine's bytes
+    without its ``Content-Encoding``, so they must never be compressed."""
+
+    def __init__(self, session: aiohttp.ClientSession, api_key: str | None = None):
+        self._session = session
+        self.headers = {"accept-encoding": "identity"}
+        if api_key:
+            self.headers["authorization"] = f"Bearer {api_key}"
+
+    def request(self, method: str, url: str, *, headers: dict[str, str] | None = None, **kw: Any) -> Any:
+        return self._session.request(method, url, headers={**(headers or {}), **self.headers}, auto_decompress=True,
+                                     **kw)
+
+    def get(self, url: str, **kw: Any) -> Any:
+        return self.request("GET", url, **kw)
+
+    def __getattr__(self, name: str) -> Any:  # closed, close(), ...: the shared session's own
+        return getattr(self._session, name)
+
+
 class EngineClient:
     """One engine behind its base URL. All calls are bounded by timeouts; none blocks the loop.
     ``flavor`` names the engine family (``engines_adapters.drivers.FLAVORS``): its metric names."""
 
     def __init__(self, session: aiohttp.ClientSession, engine_id: str, url: str, *, flavor: str = "vllm",
                  connect_timeout_s: float = 5.0, timeout_s: float = 600.0, api_key: str | None = None):
-        self.session, self.id, self.url, self.flavor = session, engine_id, url.rstrip("/"), flavor
+        self.session: Any = EngineSession(session, api_key)
+        self.id, self.url, self.flavor = engine_id, url.rstrip("/"), flavor
         self.connect_timeout_s, self.timeout_s = connect_timeout_s, timeout_s
-        # every call: the engine's key (vLLM --api-key), and bytes as they are: the gateway forwards
-        # the engine's body without its Content-Encoding, so it must never be compressed
-        self.headers = {"accept-encoding": "identity"}
-        if api_key:
-            self.headers["authorization"] = f"Bearer {api_key}"
 
     def _timeout(self, streaming: bool) -> aiohttp.ClientTimeout:
         """A whole-answer limit for legs read at once; an idle limit for streams, which may
@@ -60,8 +79,7 @@ class EngineClient:
         try:
             resp = await self.session.request(
                 "POST", self.url + path, data=_dumps(body),
-                headers={**headers, **self.headers, "content-type": "application/json"},
-                timeout=self._timeout(streaming), auto_decompress=True)
+                headers={**headers, "content-type": "application/json"}, timeout=self._timeout(streaming))
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
             # could not connect (a connect timeout is also a TimeoutError): another pair may work
             raise UpstreamUnavailable(f"engine {self.id} unreachable: {e}", self.id) from None
@@ -71,19 +89,16 @@ class EngineClient:
             raise UpstreamUnavailable(f"engine {self.id} unreachable: {e}", self.id) from None
         return resp
 
-    def _get(self, path: str, timeout_s: float) -> Any:
-        return self.session.get(self.url + path, headers=self.headers, timeout=aiohttp.ClientTimeout(total=timeout_s))
-
     async def health(self, timeout_s: float = 2.0) -> bool:
         try:
-            async with self._get("/health", timeout_s) as r:
+            async with self.session.get(self.url + "/health", timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
                 return r.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return False
 
     async def load(self, timeout_s: float = 2.0) -> LoadSample | None:
         try:
-            async with self._get("/metrics", timeout_s) as r:
+            async with self.session.get(self.url + "/metrics", timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
                 if r.status != 200:
                     return None
                 return parse_metrics(self.flavor, await r.text())
@@ -92,7 +107,7 @@ class EngineClient:
 
     async def models(self, timeout_s: float = 2.0) -> list[str]:
         try:
-            async with self._get("/v1/models", timeout_s) as r:
+            async with self.session.get(self.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
                 data = await r.json()
             return [m["id"] for m in data.get("data", [])]
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError):

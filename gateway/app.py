@@ -29,7 +29,6 @@ log = logging.getLogger("conductor")
 
 def create_app(cfg: GatewayConfig) -> FastAPI:
     state: dict = {}
-    gw_metrics = GatewayMetrics()  # before the app runs: the edge guard counts its refusals in it
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -42,15 +41,16 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
                 em = cfg.embedded
                 log.info("starting embedded cluster: %d prefill + %d decode + %d both (profile %s, time scale %g)",
                          em.prefill, em.decode, em.both, em.profile, em.time_scale)
-                embedded = EmbeddedCluster(em, api_key=cfg.auth.engine_api_key)
+                embedded = EmbeddedCluster(em)
                 engines += embedded.start()
                 await embedded.wait_ready()
             cluster = Cluster(cfg, engines)
-            number_decisions(cluster.scheduler)
             await cluster.start()
             tracer = provider.get_tracer("conductor") if provider else trace.NoOpTracer()
-            state.update(cluster=cluster, metrics=gw_metrics,
-                         proxy=Proxy(cfg, cluster, gw_metrics, telemetry, _tokenizer(cfg, cluster), tracer))
+            metrics = GatewayMetrics()
+            state.update(cluster=cluster, metrics=metrics,
+                         proxy=Proxy(cfg, cluster, metrics, telemetry, _tokenizer(cfg, cluster), tracer))
+            number_decisions(cluster.scheduler)  # /admin/decisions pages by record number
             gc.collect()
             gc.freeze()  # start-up objects leave the collector's view: no full-GC pauses on decisions
             log.info("cluster: %s; ready=%s", ", ".join(f"{e.id}({e.role}) {e.url}" for e in engines), cluster.ready())
@@ -137,8 +137,11 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
         """A bug of ours still answers in the API's error shape (uvicorn logs the traceback)."""
         return error_response(500, f"internal error: {type(exc).__name__}", "internal_error")
 
-    app.add_middleware(EdgeGuard, auth=cfg.auth, max_header_bytes=cfg.max_header_bytes,
-                       on_refused=lambda reason: gw_metrics.refused.labels(reason).inc())
+    def refused(reason: str) -> None:
+        if "metrics" in state:
+            state["metrics"].refused.labels(reason).inc()
+
+    app.add_middleware(EdgeGuard, auth=cfg.auth, on_refused=refused)
     return app
 
 

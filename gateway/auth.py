@@ -108,15 +108,14 @@ def _digest(secret: str | bytes) -> bytes:
 
 
 class EdgeGuard:
-    """ASGI middleware refusing, before any route runs: oversized request heads (431), a Host
-    not on the allow-list (400), ``/v1/*`` without a client key (401), ``/admin/*`` and
+    """ASGI middleware refusing, before any route runs or a body is read: a Host not on the
+    allow-list (400), ``/v1/*`` without a client key (401), ``/admin/*`` and
     ``/metrics`` without the admin token (401 without credentials, 403 with the wrong ones).
     Keys are compared by their SHA-256 digest (a dictionary look-up, whatever the number of keys).
     ``on_refused(reason)`` counts each refusal (the gateway's metrics)."""
 
-    def __init__(self, app: Any, auth: AuthConfig, max_header_bytes: int,
-                 on_refused: Callable[[str], None] = lambda reason: None):
-        self.app, self.max_header_bytes, self.on_refused = app, max_header_bytes, on_refused
+    def __init__(self, app: Any, auth: AuthConfig, on_refused: Callable[[str], None] = lambda reason: None):
+        self.app, self.on_refused = app, on_refused
         self.keys = {_digest(k.key): k for k in auth.api_keys.values()}
         self.admin = None if auth.admin_token is None else _digest(auth.admin_token)
         self.hosts = frozenset(auth.allowed_hosts)
@@ -135,16 +134,12 @@ class EdgeGuard:
         await self.app(scope, receive, send)
 
     def check(self, scope: dict) -> tuple[int, str, str] | None:
-        size, host, authz = 0, None, None
+        host = authz = None
         for k, v in scope["headers"]:
-            size += len(k) + len(v) + 4
             if k == b"host":
                 host = v
             elif k == b"authorization":
                 authz = v
-        if size > self.max_header_bytes:
-            return 431, f"request headers of {size} bytes exceed the limit of {self.max_header_bytes}", \
-                "headers_too_large"
         if self.hosts and not self._host_ok(host):
             return 400, "the Host header names no host this gateway serves", "host_not_allowed"
         path = scope["path"]

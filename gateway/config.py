@@ -77,7 +77,6 @@ class GatewayConfig:
     policy_params: dict[str, Any] = field(default_factory=dict)
     prior: Prior = field(default_factory=Prior)  # the analytic predictors' rules of thumb ([prior])
     auth: AuthConfig = field(default_factory=AuthConfig)  # [auth]: client keys, admin token, hosts (gateway/auth.py)
-    max_header_bytes: int = 16 * 1024  # a request's head (request line and headers): 431 beyond
     # a prompt longer than the longest served context (max_model_len) x this many characters a
     # token is refused before tokenizing; default: 1 for the built-in byte tokenizer (exact: a
     # character is at least one byte-token), 8 for the others (natural text averages about 4)
@@ -120,6 +119,8 @@ def parse_config(raw: dict[str, Any], environ: Mapping[str, str] | None = None) 
     elif embedded_raw is not None:
         cfg.embedded = _take(embedded_raw, EmbeddedConfig, "embedded")
     validate(cfg)
+    if cfg.auth.engine_api_key and cfg.embedded is not None:  # the embedded engines demand the key they are sent
+        cfg.embedded.extra_args = [*cfg.embedded.extra_args, "--api-key", cfg.auth.engine_api_key]
     return cfg
 
 
@@ -188,13 +189,13 @@ def validate(cfg: GatewayConfig) -> None:
         raise ConfigError(f"tokenizer must be one of {TOKENIZERS}, got {cfg.tokenizer!r}")
     if cfg.tokenizer == "hf" and not cfg.tokenizer_path:
         raise ConfigError("tokenizer 'hf' needs tokenizer_path (a Hugging Face tokenizer directory)")
-    if cfg.block_size <= 0 or cfg.max_body_bytes <= 0 or cfg.default_max_tokens <= 0 or cfg.max_header_bytes <= 0:
-        raise ConfigError("block_size, max_body_bytes, max_header_bytes and default_max_tokens must be positive")
+    if cfg.block_size <= 0 or cfg.max_body_bytes <= 0 or cfg.default_max_tokens <= 0:
+        raise ConfigError("block_size, max_body_bytes and default_max_tokens must be positive")
+    if cfg.otel_exporter not in ("none", "console", "otlp"):
+        raise ConfigError(f"otel_exporter must be none, console or otlp, got {cfg.otel_exporter!r}")
     cpt = cfg.prompt_chars_per_token
     if cpt is not None and (isinstance(cpt, bool) or not isinstance(cpt, (int, float)) or not cpt >= 1):
         raise ConfigError(f"prompt_chars_per_token must be a number >= 1, got {cpt!r}")
-    if cfg.otel_exporter not in ("none", "console", "otlp"):
-        raise ConfigError(f"otel_exporter must be none, console or otlp, got {cfg.otel_exporter!r}")
 
 
 def load_config(path: str | None) -> GatewayConfig:

@@ -28,32 +28,26 @@ def _die_with_parent() -> None:
 
 
 class EmbeddedCluster:
-    def __init__(self, cfg: EmbeddedConfig, api_key: str | None = None):
-        self.cfg, self.api_key = cfg, api_key  # the engines' --api-key (passed in the environment, not argv)
+    def __init__(self, cfg: EmbeddedConfig):
+        self.cfg = cfg
         self.procs: list[subprocess.Popen] = []
         self.engines: list[EngineConfig] = []
 
     def start(self) -> list[EngineConfig]:
         env = {**os.environ, "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED", "0")}
-        env.pop("VLLM_API_KEY", None)  # the engines take only the key the gateway will send
-        if self.api_key:
-            env["VLLM_API_KEY"] = self.api_key
         roles = ["prefill"] * self.cfg.prefill + ["decode"] * self.cfg.decode + ["both"] * self.cfg.both
         counters: dict[str, int] = {}
         # the gateway gets only the public deployment the engines emulate (never their calibration),
         # time-scaled when they run at a time scale so predictions are in wall-clock seconds
         deployment = load_profile(self.cfg.profile).deployment.time_scaled(self.cfg.time_scale).name
-        ports = [(free_port(), free_port(), free_port()) for _ in roles]
-        # a decode engine pulls KV only from the cluster's prefill engines, never where a body says
-        peers = ",".join(f"127.0.0.1:{p[0]}" for p, role in zip(ports, roles, strict=True) if role == "prefill")
-        for i, (role, (port, kv, replay)) in enumerate(zip(roles, ports, strict=True)):
+        for i, role in enumerate(roles):
             counters[role] = counters.get(role, 0) + 1
             eid = f"{role}-{counters[role]}"
+            port, kv, replay = free_port(), free_port(), free_port()
             args = [sys.executable, "-m", "gateway.cli", "sim-engine", "--role", role, "--port", str(port),
                     "--kv-events", f"tcp://127.0.0.1:{kv}", "--kv-events-replay", f"tcp://127.0.0.1:{replay}",
                     "--profile", self.cfg.profile, "--time-scale", str(self.cfg.time_scale),
-                    "--seed", str(self.cfg.seed + i), *(["--kv-peers", peers] if role == "decode" else []),
-                    *self.cfg.extra_args]
+                    "--seed", str(self.cfg.seed + i), *self.cfg.extra_args]
             self.procs.append(subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent))
             self.engines.append(EngineConfig(id=eid, role=role, url=f"http://127.0.0.1:{port}", kind="sim",
                                              kv_events=f"tcp://127.0.0.1:{kv}",

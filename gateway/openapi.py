@@ -67,7 +67,7 @@ def _generate(summary: str, schema: str) -> dict[str, Any]:
             **{str(s): {"description": d, **_ERR} for s, d in (
                 (400, "invalid request"), (401, "missing or invalid API key"), (404, "unknown model"),
                 (413, "body too large"), (429, "the SLOs cannot be met (Retry-After)"),
-                (431, "request headers too large"), (503, "no healthy engine pair"),
+                (503, "no healthy engine pair"),
                 (504, "engine timed out"))}}}}
 
 

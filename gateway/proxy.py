@@ -226,8 +226,7 @@ class Proxy:
                 headers["x-conductor-prefill-cached-tokens"] = str(rec.cached_tokens)
             if req.stream:
                 done = functools.partial(self._stream_done, lc)
-                return guard.hand_off(UpstreamStream(resp, headers, done, idle_timeout_s=self.cfg.upstream_timeout_s,
-                                                     prefill_cached_tokens=rec.cached_tokens))
+                return guard.hand_off(UpstreamStream(resp, headers, done, idle_timeout_s=self.cfg.upstream_timeout_s))
             return await self._whole(resp, headers, lc)
         raise AssertionError("unreachable")
 

@@ -21,6 +21,8 @@ from gateway.errors import sse_error
 # a chat delta or completion choice with non-empty text: a token chunk, not a role-only chunk
 _CONTENT = re.compile(rb'"(?:content|text|reasoning_content)":\s?"(?!")')
 _USAGE = re.compile(rb'"usage":\s?\{')
+#: the response header naming the prefix tokens the prefill instance itself found cached
+PREFILL_CACHED = "x-conductor-prefill-cached-tokens"
 
 
 class StreamTally:
@@ -79,14 +81,15 @@ def rewrite_usage(events: bytes, cached_tokens: int) -> bytes:
 
 
 class UpstreamStream(Response):
-    """ASGI response streaming an aiohttp response; ``on_done(tally)`` runs exactly once.
-    ``prefill_cached_tokens`` (a disaggregated pair's): what the usage events report as cached."""
+    """ASGI response streaming an aiohttp response; ``on_done(tally)`` runs exactly once. A
+    disaggregated pair's usage events report the prefill side's cached tokens, the number its
+    ``x-conductor-prefill-cached-tokens`` header carries."""
 
     def __init__(self, resp: aiohttp.ClientResponse, headers: dict[str, str],
-                 on_done: Callable[[StreamTally], None], idle_timeout_s: float,
-                 prefill_cached_tokens: int | None = None):
+                 on_done: Callable[[StreamTally], None], idle_timeout_s: float):
         self.resp, self.extra_headers, self.on_done, self.idle_timeout_s = resp, headers, on_done, idle_timeout_s
-        self.prefill_cached_tokens = prefill_cached_tokens
+        cached = headers.get(PREFILL_CACHED)
+        self.prefill_cached_tokens = None if cached is None else int(cached)
         self.tally = StreamTally()
         self.status_code, self.background = 200, None
 

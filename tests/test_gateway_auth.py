@@ -48,9 +48,12 @@ def test_bad_auth_config_is_one_clear_error(auth, env, words):
         parse_config({"auth": auth}, env)
 
 
-def test_engine_api_key_per_engine():
+def test_engine_api_keys_per_engine_and_for_the_embedded_engines():
     cfg = parse_config({"engines": [{"id": "a", "role": "both", "url": "http://127.0.0.1:1", "api_key": "ek"}]}, {})
     assert cfg.engines[0].api_key == "ek" and "ek" not in repr(cfg.engines[0])
+    cfg = parse_config({"embedded": {"extra_args": ["--noise", "0"]}}, {"CONDUCTOR_ENGINE_API_KEY": "ek2"})
+    assert cfg.embedded.extra_args == ["--noise", "0", "--api-key", "ek2"]  # started demanding the key sent
+    assert parse_config({}, {}).embedded.extra_args == []
 
 
 def call(guard: EdgeGuard, path: str, headers: dict[str, str] | None = None) -> tuple[int, dict, dict]:
@@ -81,7 +84,7 @@ def call(guard: EdgeGuard, path: str, headers: dict[str, str] | None = None) -> 
 
 def guard(refused: list[str] | None = None, **auth) -> EdgeGuard:
     cfg = parse_auth(auth, {})
-    return EdgeGuard(None, cfg, max_header_bytes=2048, on_refused=(refused if refused is not None else []).append)
+    return EdgeGuard(None, cfg, on_refused=(refused if refused is not None else []).append)
 
 
 def test_client_keys_guard_v1_and_name_the_caller():
@@ -111,7 +114,7 @@ def test_admin_paths_need_the_admin_token(path):
     assert call(guard(), path)[0] == 200  # nothing configured: open, as before
 
 
-def test_host_allow_list_and_header_size():
+def test_host_allow_list():
     g = guard(allowed_hosts=["gateway.local", "127.0.0.1:8000"])
     assert call(g, "/health", {"Host": "gateway.local:9999"})[0] == 200
     assert call(g, "/health", {"Host": "127.0.0.1:8000"})[0] == 200
@@ -119,8 +122,7 @@ def test_host_allow_list_and_header_size():
     status, body, _ = call(g, "/v1/models", {"Host": "evil.example"})
     assert status == 400 and body["error"]["code"] == "host_not_allowed"
     assert call(g, "/health")[0] == 400  # no Host at all
-    status, body, _ = call(guard(), "/v1/models", {"X-Junk": "j" * 4000})
-    assert status == 431 and body["error"]["code"] == "headers_too_large"
+    assert call(guard(), "/health", {"Host": "anything.example"})[0] == 200  # no list: any Host
 
 
 def run_app(app: web.Application, body):

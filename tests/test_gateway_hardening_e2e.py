@@ -129,8 +129,6 @@ def test_bad_input_is_4xx_recorded_and_leaves_nothing_in_flight(plain):
         err = r.json()["error"]
         assert err["type"] == "invalid_request_error" and err["param"] == param, err
         assert r.headers["x-request-id"]  # ours when the client's was refused
-    r = requests.post(url + "/v1/chat/completions", data=raw_ok, headers={"x-junk": "j" * 20_000})
-    assert r.status_code == 431 and r.json()["error"]["code"] == "headers_too_large"
     after = _counts(url)
     key = 'conductor_requests_total{reason="",status="error"}'
     assert after.get(key, 0) - before.get(key, 0) == len(cases)  # each one finished and counted

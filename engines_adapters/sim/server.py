@@ -12,7 +12,6 @@ import hashlib
 import hmac
 import ipaddress
 import logging
-import os
 import signal
 import sys
 import uuid
@@ -65,8 +64,7 @@ def build_parser() -> Parser:
                    help="modelled seconds a prefill holds KV nobody pulled")
     p.add_argument("--median-output-tokens", type=positive_int, default=128,
                    help="median of the output-length distribution (without ignore_eos)")
-    p.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* as vLLM does (default: $VLLM_API_KEY)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* as vLLM does")
     p.add_argument("--kv-peers", metavar="HOST:PORT,...",
                    help="the only prefill instances a decode may pull KV from (default: any on loopback)")
     p.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
