@@ -28,12 +28,19 @@ from gateway.cluster import Cluster
 from gateway.config import GatewayConfig
 from gateway.errors import RequestError, error_response
 from gateway.observability import GatewayMetrics, RequestSpans, TelemetryWriter
-from gateway.requests import ParsedRequest, check_prompt_size, check_request_id, parse_body, slo_override
+from gateway.requests import (
+    ParsedRequest,
+    cache_salt,
+    check_prompt_size,
+    check_request_id,
+    parse_body,
+    slo_override,
+)
 from gateway.streaming import StreamTally, UpstreamStream, prefill_usage
 from gateway.tokenizers import PromptTokenizer
 from predictors.telemetry import RequestRecord
 from scheduler import Rejection, RequestFacts
-from scheduler.hashing import block_hashes
+from scheduler.hashing import block_hashes, namespace_parent
 from scheduler.lifecycle import RequestLifecycle
 
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
@@ -120,6 +127,7 @@ class Proxy:
                     served = ", ".join(self.cluster.models)
                     raise RequestError(404, f"model {req.model!r} does not exist; served: {served}",
                                        "model_not_found", "model")
+                salt = cache_salt(req)
                 check_prompt_size(req, self.sched.max_model_len(), self._chars_per_token)
                 tokens = await self.tokenizer.tokens(req)
             except RequestError as e:
@@ -130,7 +138,10 @@ class Proxy:
                 lc.finish("aborted", 499)
                 return Response(status_code=499)
             rec.prompt_tokens, rec.max_tokens = len(tokens), req.max_tokens
-            facts = RequestFacts(rec.request_id, len(tokens), block_hashes(tokens, self.cfg.block_size),
+            # a salt or a LoRA adapter is a namespace of the engines' prefix caches: hash within it
+            lora = req.model if req.model in self.cluster.adapters else None
+            root = namespace_parent(salt, lora) if salt or lora else None
+            facts = RequestFacts(rec.request_id, len(tokens), block_hashes(tokens, self.cfg.block_size, root),
                                  req.max_tokens, slo)
             try:
                 return await self._watching(request, self._place_and_drive(req, facts, guard))
