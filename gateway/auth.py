@@ -16,7 +16,7 @@ from typing import Any
 
 from gateway.errors import error_response
 
-ENV_API_KEYS = "CONDUCTOR_API_KEYS"  # comma-separated; each "NAME=KEY" or a bare KEY
+ENV_API_KEYS = "CONDUCTOR_API_KEYS"  # comma-separated keys, named env-1, env-2, ...
 ENV_ADMIN_TOKEN = "CONDUCTOR_ADMIN_TOKEN"
 ENV_ENGINE_API_KEY = "CONDUCTOR_ENGINE_API_KEY"
 #: the scope key under which a request's :class:`ApiKey` reaches the handler (absent: auth is off)
@@ -83,12 +83,11 @@ def parse_auth(raw: Any, environ: Mapping[str, str] | None = None) -> AuthConfig
         entry["name"] = name
         entry["key"] = _secret(f"{where}.key", entry.get("key"))
         cfg.api_keys[name] = ApiKey(**entry)
-    for i, item in enumerate(s for s in environ.get(ENV_API_KEYS, "").split(",") if s.strip()):
-        name, _, key = item.strip().rpartition("=")
-        name = name or f"env-{i + 1}"
+    for i, key in enumerate(k.strip() for k in environ.get(ENV_API_KEYS, "").split(",") if k.strip()):
+        name = f"env-{i + 1}"  # a key with a name of its own: [auth.api_keys.NAME] key_env = "VAR"
         if name in cfg.api_keys:
             raise AuthConfigError(f"{ENV_API_KEYS}: key name {name!r} is also in the config")
-        cfg.api_keys[name] = ApiKey(name, _secret(f"{ENV_API_KEYS} entry {name!r}", key))
+        cfg.api_keys[name] = ApiKey(name, _secret(f"{ENV_API_KEYS} entry {i + 1}", key))
     if len({k.key for k in cfg.api_keys.values()}) != len(cfg.api_keys):
         raise AuthConfigError("auth.api_keys: two names share one key (a key must say who holds it)")
     for attr, var in (("admin_token", ENV_ADMIN_TOKEN), ("engine_api_key", ENV_ENGINE_API_KEY)):

@@ -18,13 +18,13 @@ from gateway.config import ConfigError, parse_config
 
 
 def test_keys_come_from_the_config_and_the_environment():
-    env = {"CONDUCTOR_API_KEYS": "sk-env-1, ops=sk-ops", "TEAM_B": "sk-b", "CONDUCTOR_ADMIN_TOKEN": "adm-env"}
+    env = {"CONDUCTOR_API_KEYS": "sk-env-1, c2s3Y3JldA==", "TEAM_B": "sk-b", "CONDUCTOR_ADMIN_TOKEN": "adm-env"}
     cfg = parse_auth({"api_keys": {"team-a": {"key": "sk-a", "trust_slo_headers": True},
                                    "team-b": {"key_env": "TEAM_B"}},
                       "admin_token": "adm-file", "allowed_hosts": ["Gateway.local:8000"], "engine_api_key": "ek"}, env)
     assert {n: k.key for n, k in cfg.api_keys.items()} == {"team-a": "sk-a", "team-b": "sk-b", "env-1": "sk-env-1",
-                                                         "ops": "sk-ops"}
-    assert cfg.api_keys["team-a"].trust_slo_headers and not cfg.api_keys["ops"].trust_slo_headers
+                                                         "env-2": "c2s3Y3JldA=="}  # a base64 key keeps its "="
+    assert cfg.api_keys["team-a"].trust_slo_headers and not cfg.api_keys["env-1"].trust_slo_headers
     assert cfg.admin_token == "adm-env" and cfg.engine_api_key == "ek"  # the environment wins
     assert cfg.allowed_hosts == ["gateway.local:8000"]
     assert "sk-a" not in repr(cfg) and "adm" not in repr(cfg)  # secrets stay out of logs
@@ -37,7 +37,8 @@ def test_keys_come_from_the_config_and_the_environment():
     ({"api_keys": {"a": {"key": "k", "quota": 5}}}, {}, "unknown"),
     ({"api_keys": {"a": {"key_env": "NOPE"}}}, {}, "unset"),
     ({"api_keys": {"a": {"key": "k"}, "b": {"key": "k"}}}, {}, "share"),
-    ({"api_keys": {"a": {"key": "k"}}}, {"CONDUCTOR_API_KEYS": "a=x"}, "also in the config"),
+    ({"api_keys": {"env-1": {"key": "k"}}}, {"CONDUCTOR_API_KEYS": "x"}, "also in the config"),
+    ({"api_keys": {"a": {"key": "k"}}}, {"CONDUCTOR_API_KEYS": "k"}, "share"),
     ({"api_keys": {"a": {"key": "k"}}, "admin_token": "k"}, {}, "differ"),
     ({"api_keys": ["k"]}, {}, "table"),
     ({"allowed_hosts": "x"}, {}, "allowed_hosts"),
