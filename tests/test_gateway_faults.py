@@ -197,6 +197,12 @@ def test_sigterm_with_streams_in_flight_ends_the_gateway_and_its_engines_in_time
                             json={**body, "stream": False})  # a non-streamed answer still decoding
         try:
             assert all(r.status_code == 200 for r in responses)
+            for _ in range(200):  # the non-streamed request is in progress too (7 reservations)
+                metrics = requests.get(url + "/metrics", timeout=10).text
+                if next(float(line.split()[-1]) for line in metrics.splitlines()
+                        if line.startswith("conductor_requests_in_flight")) >= 7:
+                    break
+                time.sleep(0.05)
             if hang_an_engine:
                 os.kill(engines[-1], signal.SIGSTOP)
             t0 = time.monotonic()
