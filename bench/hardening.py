@@ -160,6 +160,20 @@ async def leftovers(s: aiohttp.ClientSession, g: dict) -> dict[str, float]:
     return {"active_requests": active, "reserved_prefill_tokens": reserved, "in_flight_gauge": inflight}
 
 
+async def all_decisions(s: aiohttp.ClientSession, g: dict) -> list[dict]:
+    """Every decision the gateway still keeps, page by page (newest pages first; bounded)."""
+    out: list[dict] = []
+    params: dict[str, int] = {"limit": 100}
+    for _ in range(1000):
+        async with s.get(g["url"] + "/admin/decisions", params=params) as r:
+            page = await r.json()
+        out = page["decisions"] + out
+        if page.get("next_before") is None:
+            break
+        params["before"] = page["next_before"]
+    return out
+
+
 # --- 1. idle connections + live streams ------------------------------------------------------
 
 async def idle_and_live(n_idle: int, n_live: int, tokens: int) -> dict:
@@ -257,8 +271,7 @@ async def fault(role: str, sig: signal.Signals, n_streams: int, tokens: int) -> 
                 await asyncio.sleep(0.05)
             await asyncio.gather(*workers)
             left = await leftovers(s, g)
-            async with s.get(g["url"] + "/admin/decisions", params={"limit": 10000}) as r:
-                decisions = (await r.json())["decisions"]
+            decisions = await all_decisions(s, g)
             per_request: dict[str, int] = {}
             for d in decisions:
                 per_request[d["request_id"]] = per_request.get(d["request_id"], 0) + 1
