@@ -32,7 +32,8 @@ class _Oracle:
         eff = profile.efficiency
         self.latency = eff.get("transfer_latency_ms", 1.0) * 1e-3
         self.kv_bytes = profile.kv_bytes_per_token
-        self.net, self.host = profile.net_bytes_per_s, profile.host_bytes_per_s
+        self.net = profile.net_bytes_per_s * eff.get("net_efficiency", 1.0)  # a gap profile's congestion
+        self.host = profile.host_bytes_per_s
         self.block_size = block_size
         self._memo: dict[tuple[int, int], float] = {}
 
@@ -47,7 +48,7 @@ class _Oracle:
             t = 0.0
             while done < prompt:  # chunked prefill alone on the instance, one chunk a step
                 n = min(self.chunk, prompt - done)
-                t += self.timer.duration(n, 1, chunk_ctx(done, n), 0)
+                t += self.timer.duration(n, 1, chunk_ctx(done, n), 0, n)
                 done += n
             self._memo[key] = t
         return t
