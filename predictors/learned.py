@@ -1,0 +1,462 @@
+"""Learned predictors: the roofline's own terms as features, weights fitted to telemetry.
+
+Each term is a non-negative linear combination of physical quantities computed from an
+instance's public :class:`~predictors.facts.Deployment` at 100% efficiency (seconds of linear
+compute, of attention, of weight and KV reads, per-step and per-sequence counts, bytes over the
+NIC). A weight is then an inverse efficiency or a fixed cost, so a model fitted on short prompts
+still scales like the physics on long ones, and one fitted on one deployment means something on
+another (the pooled model). ``conductor calibrate`` (predictors/calibrate.py) fits them; this
+module loads, validates and serves them.
+
+Serving is closed form: a dot product of five numbers, memoised per (deployment, inputs), as
+cheap as the analytic roofline. Per term, an instance's deployment group model answers, else the
+pooled model, else the analytic predictor (logged once). An online per-instance EWMA of
+actual / predicted absorbs drift between calibrations, each term corrected only from
+observations *of that term* (prefill from requests that found their prefill instance idle, TBT
+from the request's own token gaps, the prefill->decode KV shipment from the hand-over gap).
+
+Model files are plain JSON (``models.json``): no pickle is ever loaded.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Sequence
+
+from predictors.analytic import AnalyticQueue, AnalyticTBT, AnalyticTransfer, DeploymentBook, Prior, Roofline
+from predictors.base import DecodeState, Predictors
+from predictors.facts import Deployment
+from predictors.telemetry import RequestRecord
+from predictors.types import Tier
+
+log = logging.getLogger(__name__)
+
+FORMAT = "conductor-learned-predictors"
+VERSION = 1
+MODELS_FILE = "models.json"
+#: Context scale of the second-order attention feature (keeps its weight near 1).
+CTX_SCALE = 65536.0
+#: Token budget per engine step the prefill features assume (vLLM's default for large models).
+CHUNK_TOKENS = 8192
+
+PREFILL_FEATURES = ("steps", "linear_s", "attn_s", "attn_ctx_s", "weights_read_s")
+TBT_FEATURES = ("step", "seqs", "weights_read_s", "kv_read_s", "linear_s")
+TRANSFER_FEATURES = ("transfer", "bytes_s")
+FEATURES: dict[str, tuple[str, ...]] = {"prefill": PREFILL_FEATURES, "tbt": TBT_FEATURES, "transfer": TRANSFER_FEATURES}
+TERMS = tuple(FEATURES)
+
+#: A roofline at 100% efficiency and no fixed costs: the features' units.
+_UNIT = Prior(prefill_mfu=1.0, attn_mfu=1.0, decode_mbu=1.0, step_overhead_ms=0.0, transfer_latency_ms=0.0)
+
+
+def physics(d: Deployment) -> Roofline:
+    return Roofline.from_deployment(d, _UNIT)
+
+
+def prefill_features(r: Roofline, time_scale: float, prompt_tokens: int, cached_tokens: int) -> list[float]:
+    """Chunked prefill of the uncached tokens: steps, linear FLOPs, causal attention FLOPs (first
+    and second order in the context), weights read once per step; all at peak rates."""
+    prompt = max(1, prompt_tokens)
+    cached = min(max(0, cached_tokens), prompt - 1)
+    new = prompt - cached
+    steps = math.ceil(new / CHUNK_TOKENS)
+    attn = 4.0 * r.layers * r.hidden / r.attn_flops_per_s
+    sum_ctx = new * (cached + (new + 1) / 2.0)  # contexts cached+1 .. prompt
+    sum_ctx2 = (prompt * (prompt + 1) * (2 * prompt + 1) - cached * (cached + 1) * (2 * cached + 1)) / 6.0
+    return [steps * time_scale, 2.0 * r.params * new / r.flops_per_s, attn * sum_ctx,
+            attn * sum_ctx2 / CTX_SCALE, steps * r.weight_bytes / r.mem_bytes_per_s]
+
+
+def tbt_features(r: Roofline, time_scale: float, running: int, kv_tokens: int, prompt_tokens: int,
+                 max_tokens: int) -> list[float]:
+    """A decode step once this request joins: fixed and per-sequence costs, weights and KV read,
+    linear FLOPs of the batch (KV at the request's largest, as the analytic TBT)."""
+    batch = max(0, running) + 1
+    kv = max(0, kv_tokens) + max(0, prompt_tokens) + max(1, max_tokens)
+    return [time_scale, batch * time_scale * 1e-3, r.weight_bytes / r.mem_bytes_per_s,
+            kv * r.kv_bytes_per_token / r.mem_bytes_per_s, 2.0 * r.params * batch / r.flops_per_s]
+
+
+def transfer_features(r_dst: Roofline, time_scale: float, tokens: int, bandwidth: float) -> list[float]:
+    return [time_scale, tokens * r_dst.kv_bytes_per_token / bandwidth]
+
+
+def dot(w: Sequence[float], x: Sequence[float]) -> float:
+    return math.fsum(a * b for a, b in zip(w, x, strict=True))
+
+
+class ModelError(ValueError):
+    """A model file that cannot be served (one-line message naming what is wrong)."""
+
+
+@dataclass(frozen=True)
+class TermModel:
+    """One fitted term: weights over the term's features, and the p90 as a factor over them."""
+
+    coef: tuple[float, ...]
+    p90_factor: float = 1.0
+    n: int = 0
+    train_mape: float | None = None
+
+    def predict(self, x: Sequence[float]) -> float:
+        return dot(self.coef, x)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"coef": list(self.coef), "p90_factor": self.p90_factor, "n": self.n, "train_mape": self.train_mape}
+
+
+@dataclass(frozen=True)
+class TermModels:
+    """A term's pooled model and its per-deployment-group models."""
+
+    pooled: TermModel | None
+    groups: dict[str, TermModel] = field(default_factory=dict)
+
+    def for_group(self, group: str) -> tuple[TermModel | None, str]:
+        m = self.groups.get(group)
+        if m is not None:
+            return m, f"group:{group}"
+        return self.pooled, "pooled"
+
+
+@dataclass(frozen=True)
+class LearnedModels:
+    terms: dict[str, TermModels]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": FORMAT, "version": VERSION, "meta": self.meta,
+                "terms": {t: {"features": list(FEATURES[t]),
+                              "pooled": None if m.pooled is None else m.pooled.to_json(),
+                              "groups": {g: gm.to_json() for g, gm in m.groups.items()}}
+                          for t, m in self.terms.items()}}
+
+    def save(self, directory: str) -> str:
+        """Write ``models.json`` atomically (a reader never sees half a file)."""
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, MODELS_FILE)
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.to_json(), f, indent=1)
+        os.replace(tmp, path)
+        return path
+
+
+def _term_model(raw: Any, n_features: int, where: str) -> TermModel:
+    if not isinstance(raw, dict):
+        raise ModelError(f"{where}: expected an object")
+    coef = raw.get("coef")
+    if not isinstance(coef, list) or len(coef) != n_features:
+        raise ModelError(f"{where}: coef must be a list of {n_features} numbers")
+    for c in coef:
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c < 0:
+            raise ModelError(f"{where}: coefficients must be finite and >= 0, got {c!r}")
+    if not any(coef):
+        raise ModelError(f"{where}: all coefficients are zero")
+    p90 = raw.get("p90_factor", 1.0)
+    if isinstance(p90, bool) or not isinstance(p90, (int, float)) or not math.isfinite(p90) or not 0 < p90 < 100:
+        raise ModelError(f"{where}: p90_factor must be a positive finite number, got {p90!r}")
+    n = raw.get("n", 0)
+    mape = raw.get("train_mape")
+    return TermModel(tuple(float(c) for c in coef), float(p90), int(n) if isinstance(n, int) else 0,
+                     float(mape) if isinstance(mape, (int, float)) and not isinstance(mape, bool) else None)
+
+
+def parse_models(raw: Any) -> LearnedModels:
+    """Validate a decoded ``models.json``; :class:`ModelError` on anything that cannot be served."""
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+        raise ModelError(f"not a {FORMAT} file")
+    if raw.get("version") != VERSION:
+        raise ModelError(f"unsupported version {raw.get('version')!r} (this gateway reads {VERSION})")
+    terms_raw = raw.get("terms")
+    if not isinstance(terms_raw, dict):
+        raise ModelError("terms: expected an object")
+    unknown = set(terms_raw) - set(TERMS)
+    if unknown:
+        raise ModelError(f"terms: unknown term(s) {', '.join(sorted(unknown))}; known: {', '.join(TERMS)}")
+    terms: dict[str, TermModels] = {}
+    for t, tr in terms_raw.items():
+        if not isinstance(tr, dict):
+            raise ModelError(f"terms.{t}: expected an object")
+        if tr.get("features") != list(FEATURES[t]):
+            raise ModelError(f"terms.{t}: features {tr.get('features')!r} are not this gateway's "
+                             f"{list(FEATURES[t])} (recalibrate)")
+        n = len(FEATURES[t])
+        pooled = None if tr.get("pooled") is None else _term_model(tr["pooled"], n, f"terms.{t}.pooled")
+        groups_raw = tr.get("groups") or {}
+        if not isinstance(groups_raw, dict):
+            raise ModelError(f"terms.{t}.groups: expected an object")
+        groups = {str(g): _term_model(m, n, f"terms.{t}.groups.{g}") for g, m in groups_raw.items()}
+        if pooled is None and not groups:
+            raise ModelError(f"terms.{t}: no model")
+        terms[t] = TermModels(pooled, groups)
+    meta = raw.get("meta")
+    return LearnedModels(terms, meta if isinstance(meta, dict) else {})
+
+
+def load_models(directory: str) -> LearnedModels:
+    """Read and validate ``DIR/models.json``; :class:`ModelError` with the reason otherwise."""
+    path = os.path.join(directory, MODELS_FILE)
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        raise ModelError(f"{path}: no such file (run conductor calibrate --out {directory})") from None
+    except OSError as e:
+        raise ModelError(f"{path}: {e.strerror or e}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelError(f"{path}: not valid JSON ({e})") from None
+    try:
+        return parse_models(raw)
+    except ModelError as e:
+        raise ModelError(f"{path}: {e}") from None
+
+
+class Ewma:
+    """Per-key EWMA of actual / predicted, bounded, and the live error it has seen."""
+
+    __slots__ = ("alpha", "lo", "hi", "factor", "count", "abs_err")
+
+    def __init__(self, alpha: float = 0.05, lo: float = 0.5, hi: float = 2.0):
+        self.alpha, self.lo, self.hi = alpha, lo, hi
+        self.factor: dict[str, float] = {}
+        self.count: dict[str, int] = {}
+        self.abs_err: dict[str, float] = {}
+
+    def get(self, key: str) -> float:
+        return self.factor.get(key, 1.0)
+
+    def update(self, key: str, actual: float, base: float, served: float | None) -> None:
+        """``base``: the model's answer without correction; ``served``: what was predicted then."""
+        if not (actual > 0 and base > 0 and math.isfinite(actual) and math.isfinite(base)):
+            return
+        ratio = min(self.hi, max(self.lo, actual / base))
+        f = self.factor.get(key, 1.0)
+        self.factor[key] = min(self.hi, max(self.lo, f + self.alpha * (ratio - f)))
+        self.count[key] = self.count.get(key, 0) + 1
+        if served is not None and served > 0:
+            e = abs(served / actual - 1.0)
+            prev = self.abs_err.get(key)
+            self.abs_err[key] = e if prev is None else prev + self.alpha * (e - prev)
+
+
+#: Observations a TBT needs: a request's Mooncake TBT over fewer gaps is mostly noise.
+MIN_TBT_INTERVALS = 8
+
+
+class LearnedBundle:
+    """The models being served, the analytic fallback, and the online corrections.
+
+    One object behind all term predictors, so a reload swaps every term at once and the
+    scheduler's :class:`Predictors` (and the observers holding its ``observe``) stay the same.
+    """
+
+    MEMO_LIMIT = 1 << 16
+
+    def __init__(self, models: LearnedModels | None, book: DeploymentBook | None = None, *, online: bool = True,
+                 alpha: float = 0.05, source: str = ""):
+        self.book = book if book is not None else DeploymentBook()
+        self.models = models if models is not None else LearnedModels({})
+        self.source = source
+        self.online = online
+        self.ewma = {t: Ewma(alpha) for t in TERMS}
+        self.ttft_err = Ewma(alpha)
+        self._fallback_prefill = _AnalyticPrefillNoMemo(self.book)
+        self._fallback_tbt = AnalyticTBT(self.book)
+        self._fallback_transfer = AnalyticTransfer(self.book)
+        self._phys: dict[int, tuple[Roofline, float, str]] = {}
+        self._memo: dict[tuple[Hashable, ...], float] = {}
+        self._warned: set[tuple[str, str]] = set()
+        self.reloads = 0
+
+    # --- models --------------------------------------------------------------------------
+    def swap(self, models: LearnedModels, source: str) -> None:
+        """Serve ``models`` from now on (already validated); corrections start afresh."""
+        self.models, self.source = models, source
+        self._memo.clear()
+        self._warned.clear()
+        self.ewma = {t: Ewma(self.ewma[t].alpha) for t in TERMS}
+        self.reloads += 1
+
+    def _physics(self, instance: str) -> tuple[int, Roofline, float, str]:
+        key, _ = self.book.keyed(instance)
+        p = self._phys.get(key)
+        if p is None:
+            entry = self.book.deployment(instance)
+            d = entry[0] if entry is not None else None
+            if d is None:  # the book's default deployment
+                from predictors.facts import load_deployment
+                dd = self.book._default_deployment
+                d = load_deployment(dd) if isinstance(dd, str) else dd
+            group = d.name.split("@", 1)[0]
+            p = self._phys[key] = (physics(d), d.time_scale, group)
+        return key, p[0], p[1], p[2]
+
+    def model(self, term: str, instance: str) -> tuple[TermModel | None, str]:
+        tm = self.models.terms.get(term)
+        if tm is None:
+            return None, "analytic (no model)"
+        group = self._physics(instance)[3]
+        m, which = tm.for_group(group)
+        return m, which if m is not None else f"analytic (no model for {group})"
+
+    def _warn(self, term: str, why: str) -> None:
+        if (term, why) not in self._warned:
+            self._warned.add((term, why))
+            log.warning("learned predictors: %s answered by the analytic prior: %s", term, why)
+
+    # --- base predictions (no online correction) ------------------------------------------
+    def prefill_base(self, instance: str, prompt_tokens: int, cached_tokens: int) -> float | None:
+        key, r, ts, group = self._physics(instance)
+        mk = ("p", key, prompt_tokens, cached_tokens)
+        t = self._memo.get(mk)
+        if t is None:
+            tm = self.models.terms.get("prefill")
+            m = None if tm is None else tm.for_group(group)[0]
+            if m is None:
+                self._warn("prefill", f"no model for {group}")
+                return None
+            if len(self._memo) >= self.MEMO_LIMIT:
+                self._memo.clear()
+            t = self._memo[mk] = m.predict(prefill_features(r, ts, prompt_tokens, cached_tokens))
+        return t
+
+    def tbt_base(self, state: DecodeState, prompt_tokens: int, max_tokens: int) -> float | None:
+        _, r, ts, group = self._physics(state.instance)
+        tm = self.models.terms.get("tbt")
+        m = None if tm is None else tm.for_group(group)[0]
+        if m is None:
+            self._warn("tbt", f"no model for {group}")
+            return None
+        return m.predict(tbt_features(r, ts, state.running, state.kv_tokens, prompt_tokens, max_tokens))
+
+    def transfer_base(self, tokens: int, source: str, destination: str) -> float | None:
+        if source in (Tier.HOST, Tier.STORE):  # never observed apart from the queue: the prior answers
+            self._warn("transfer", f"no observations of transfers from {source}")
+            return None
+        _, r_dst, ts, group = self._physics(destination)
+        tm = self.models.terms.get("transfer")
+        m = None if tm is None else tm.for_group(group)[0]
+        if m is None:
+            self._warn("transfer", f"no model for {group}")
+            return None
+        bw = min(self.book.roofline(source).net_bytes_per_s, self.book.roofline(destination).net_bytes_per_s)
+        return m.predict(transfer_features(r_dst, ts, tokens, bw))
+
+    # --- served predictions -----------------------------------------------------------------
+    def prefill_time(self, instance: str, prompt_tokens: int, cached_tokens: int) -> float:
+        t = self.prefill_base(instance, prompt_tokens, cached_tokens)
+        if t is None:
+            return self._fallback_prefill.prefill_time(instance, prompt_tokens, cached_tokens)
+        return t * self.ewma["prefill"].get(instance) if self.online else t
+
+    def tbt(self, state: DecodeState, prompt_tokens: int, max_tokens: int) -> float:
+        t = self.tbt_base(state, prompt_tokens, max_tokens)
+        if t is None:
+            return self._fallback_tbt.tbt(state, prompt_tokens, max_tokens)
+        return t * self.ewma["tbt"].get(state.instance) if self.online else t
+
+    def transfer_time(self, tokens: int, source: str, destination: str) -> float:
+        if tokens <= 0 or source == destination:
+            return 0.0
+        t = self.transfer_base(tokens, source, destination)
+        if t is None:
+            return self._fallback_transfer.transfer_time(tokens, source, destination)
+        return t * self.ewma["transfer"].get(destination) if self.online else t
+
+    # --- online correction: each term from observations of that term ----------------------
+    def observe(self, rec: RequestRecord) -> None:
+        if rec.status != "ok":
+            return
+        p, d = rec.prefill_instance, rec.decode_instance
+        if rec.ttft_s and rec.predicted_ttft_s:
+            self.ttft_err.update("all", rec.ttft_s, rec.predicted_ttft_s, rec.predicted_ttft_s)
+        # prefill: the leg of a request that found its prefill instance idle is its prefill
+        if (p is not None and p != d and rec.queue_requests == 0 and rec.prefill_start_s is not None
+                and rec.prefill_end_s is not None and not rec.transfer_tokens):
+            base = self.prefill_base(p, rec.prompt_tokens, rec.hit_tokens)
+            if base is not None:
+                self.ewma["prefill"].update(p, rec.prefill_end_s - rec.prefill_start_s, base, rec.predicted_prefill_s)
+        # TBT: the request's own token gaps against the state it was placed in
+        if d is not None and len(rec.token_times) > MIN_TBT_INTERVALS:
+            state = DecodeState(d, rec.decode_running, rec.decode_kv_tokens)
+            base = self.tbt_base(state, rec.prompt_tokens, rec.max_tokens or rec.output_tokens)
+            if base is not None:
+                self.ewma["tbt"].update(d, rec.tbt_s, base, rec.predicted_tbt_s)
+        # the prefill -> decode KV shipment: the hand-over gap minus the first decode step
+        if (p is not None and d is not None and p != d and not rec.predicted_decode_wait_s
+                and rec.prefill_end_s is not None and rec.first_token_s is not None):
+            state = DecodeState(d, rec.decode_running, rec.decode_kv_tokens)
+            step = self.tbt(state, rec.prompt_tokens, rec.max_tokens or rec.output_tokens)
+            base = self.transfer_base(rec.prompt_tokens, p, d)
+            if base is not None:
+                self.ewma["transfer"].update(d, rec.first_token_s - rec.prefill_end_s - step, base,
+                                             rec.predicted_kv_transfer_s)
+
+    # --- what /admin/predictors shows ------------------------------------------------------
+    def status(self, instances: Sequence[str] = ()) -> dict[str, Any]:
+        terms: dict[str, Any] = {"queue": {"answered_by": "ledger: the sum of queued predicted prefill seconds "
+                                                         "(Mooncake's T_queue over the prefill term below)"}}
+        for t in TERMS:
+            e = self.ewma[t]
+            per: dict[str, Any] = {}
+            for i in instances or sorted(set(e.factor) | set(e.count)):
+                m, which = self.model(t, i)
+                per[i] = {"model": which, "correction": round(e.get(i), 4), "observations": e.count.get(i, 0),
+                          "live_abs_error": None if i not in e.abs_err else round(e.abs_err[i], 4)}
+            terms[t] = {"features": list(FEATURES[t]), "instances": per}
+        terms["transfer"]["host_and_store"] = "analytic (never observed apart from the queue)"
+        err = self.ttft_err.abs_err.get("all")
+        return {"predictors": "learned", "source": self.source, "reloads": self.reloads, "online": self.online,
+                "meta": self.models.meta, "terms": terms,
+                "ttft": {"observations": self.ttft_err.count.get("all", 0),
+                         "live_abs_error": None if err is None else round(err, 4)}}
+
+
+class _AnalyticPrefillNoMemo:
+    """The analytic prefill as the learned bundle's fallback (the bundle memoises itself)."""
+
+    def __init__(self, book: DeploymentBook):
+        self.book = book
+
+    def prefill_time(self, instance: str, prompt_tokens: int, cached_tokens: int) -> float:
+        from predictors.analytic import roofline_prefill_s
+        return roofline_prefill_s(self.book.roofline(instance), int(prompt_tokens), int(cached_tokens))
+
+
+@dataclass
+class LearnedPredictors(Predictors):
+    """The scheduler's bundle over a :class:`LearnedBundle` (``bundle`` for reload and status)."""
+
+    bundle: LearnedBundle | None = None
+
+    def reload(self, directory: str) -> LearnedModels:
+        """Validate ``DIR/models.json`` and only then serve it; :class:`ModelError` keeps the old."""
+        assert self.bundle is not None
+        models = load_models(directory)
+        self.bundle.swap(models, os.path.abspath(directory))
+        return models
+
+
+def learned_predictors(model_dir: str | None = None, *, models: LearnedModels | None = None,
+                       prior: Prior | None = None, online: bool = True, alpha: float = 0.05,
+                       strict: bool = True) -> LearnedPredictors:
+    """The learned bundle from ``model_dir`` (or ``models``); ``strict`` False serves the analytic
+    prior for every term when the directory holds no valid model (logged) instead of raising."""
+    source = ""
+    if models is None and model_dir is not None:
+        try:
+            models = load_models(model_dir)
+            source = os.path.abspath(model_dir)
+        except ModelError as e:
+            if strict:
+                raise
+            log.warning("learned predictors: %s; every term answered by the analytic prior", e)
+    book = DeploymentBook(prior=Prior() if prior is None else prior)
+    b = LearnedBundle(models, book, online=online, alpha=alpha, source=source)
+    group: Callable[[str], Hashable] = (lambda instance: instance) if online else (lambda i: book.keyed(i)[0])
+    return LearnedPredictors(queue=AnalyticQueue(), prefill=b, transfer=b, tbt=b, group=group, register=book.set,
+                             unregister=book.remove, bundle=b)
