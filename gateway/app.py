@@ -13,6 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from gateway.admin_predictors import reload as admin_predictors_reload_, status as admin_predictors_status
 from gateway.cluster import Cluster
 from gateway.config import GatewayConfig
 from gateway.embedded import EmbeddedCluster
@@ -104,6 +105,14 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
     async def admin_decisions(limit: int = Query(20, ge=1, le=10_000)):
         decisions = state["cluster"].scheduler.decisions
         return {"decisions": list(decisions)[-limit:]}
+
+    @app.get("/admin/predictors")
+    async def admin_predictors():
+        return admin_predictors_status(cfg, state["cluster"].scheduler)
+
+    @app.post("/admin/predictors/reload")
+    async def admin_predictors_reload(request: Request):
+        return await admin_predictors_reload_(cfg, state["cluster"].scheduler, request)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):

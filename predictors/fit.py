@@ -24,6 +24,7 @@ from predictors.learned import (
     TermModel,
     TermModels,
     dot,
+    group_of,
     physics,
     prefill_features,
     tbt_features,
@@ -62,7 +63,7 @@ def conformal_factor(x: np.ndarray, y: np.ndarray, t: np.ndarray, q: float, offs
     n = len(y)
     order = np.argsort(t, kind="stable")
     cut = int(n * 0.8)
-    if cut < len(FEATURES["transfer"]) or n - cut < 5:
+    if cut < 2 * x.shape[1] or n - cut < 5:
         return 1.0
     tr, ca = order[:cut], order[cut:]
     off = np.zeros_like(y) if offset is None else offset
@@ -142,25 +143,27 @@ class Physics:
 
 def prefill_matrix(ph: Physics, rows: Sequence[PrefillRow]) -> Fitted:
     return Fitted(np.array([ph.prefill_x(r.deployment, r.items) for r in rows]).reshape(-1, len(FEATURES["prefill"])),
-                  np.array([r.service_s for r in rows]), [r.deployment for r in rows], np.array([r.t for r in rows]))
+                  np.array([r.service_s for r in rows]), [group_of(r.deployment) for r in rows],
+                  np.array([r.t for r in rows]))
 
 
 def tbt_matrix(ph: Physics, rows: Sequence[TBTRow]) -> Fitted:
     return Fitted(np.array([ph.tbt_x(r.deployment, r.running, r.kv_tokens, r.prompt_tokens, r.max_tokens)
                             for r in rows]).reshape(-1, len(FEATURES["tbt"])),
-                  np.array([r.tbt_s for r in rows]), [r.deployment for r in rows], np.array([r.t for r in rows]))
+                  np.array([r.tbt_s for r in rows]), [group_of(r.deployment) for r in rows],
+                  np.array([r.t for r in rows]))
 
 
 def handover_matrix(ph: Physics, rows: Sequence[HandoverRow]) -> Fitted:
     return Fitted(np.array([ph.transfer_x(r.src_deployment, r.dst_deployment, r.tokens)
                             for r in rows]).reshape(-1, len(FEATURES["transfer"])),
-                  np.array([r.handover_s for r in rows]), [r.dst_deployment for r in rows],
+                  np.array([r.handover_s for r in rows]), [group_of(r.dst_deployment) for r in rows],
                   np.array([r.t for r in rows]))
 
 
 def predict(models: TermModels, group: str, x: Sequence[float]) -> tuple[float, float]:
     """(point, p90) from the group's model or the pooled one."""
-    m, _ = models.for_group(group)
+    m, _ = models.for_group(group_of(group))
     assert m is not None
     p = dot(m.coef, x)
     return p, p * m.p90_factor

@@ -2,13 +2,14 @@
 
 Each term is a non-negative linear combination of physical quantities computed from an
 instance's public :class:`~predictors.facts.Deployment` at 100% efficiency (seconds of linear
-compute, of attention, of weight and KV reads, per-step and per-sequence counts, bytes over the
-NIC). A weight is then an inverse efficiency or a fixed cost, so a model fitted on short prompts
-still scales like the physics on long ones, and one fitted on one deployment means something on
-another (the pooled model). ``conductor calibrate`` (predictors/calibrate.py) fits them; this
+compute, of attention, of weight and KV reads, of bytes over the NIC). A weight is then an
+inverse efficiency (or a fixed cost in units of the hardware's own time), so a model fitted on
+short prompts still scales like the physics on long ones, and one fitted on one deployment means
+something on another (the pooled model). No two features are proportional on one deployment, so
+the weights are identifiable. ``conductor calibrate`` (predictors/calibrate.py) fits them; this
 module loads, validates and serves them.
 
-Serving is closed form: a dot product of five numbers, memoised per (deployment, inputs), as
+Serving is closed form: a dot product of a few numbers, memoised per (deployment, inputs), as
 cheap as the analytic roofline. Per term, an instance's deployment group model answers, else the
 pooled model, else the analytic predictor (logged once). An online per-instance EWMA of
 actual / predicted absorbs drift between calibrations, each term corrected only from
@@ -28,7 +29,7 @@ from typing import Any, Callable, Hashable, Sequence
 
 from predictors.analytic import AnalyticQueue, AnalyticTBT, AnalyticTransfer, DeploymentBook, Prior, Roofline
 from predictors.base import DecodeState, Predictors
-from predictors.facts import Deployment
+from predictors.facts import TIME_SCALE_SEP, Deployment
 from predictors.telemetry import RequestRecord
 from predictors.types import Tier
 
@@ -42,9 +43,9 @@ CTX_SCALE = 65536.0
 #: Token budget per engine step the prefill features assume (vLLM's default for large models).
 CHUNK_TOKENS = 8192
 
-PREFILL_FEATURES = ("steps", "linear_s", "attn_s", "attn_ctx_s", "weights_read_s")
-TBT_FEATURES = ("step", "seqs", "weights_read_s", "kv_read_s", "linear_s")
-TRANSFER_FEATURES = ("transfer", "bytes_s")
+PREFILL_FEATURES = ("step_s", "linear_s", "attn_s", "attn_ctx_s")
+TBT_FEATURES = ("step_s", "kv_read_s", "batch_s")
+TRANSFER_FEATURES = ("latency_s", "bytes_s")
 FEATURES: dict[str, tuple[str, ...]] = {"prefill": PREFILL_FEATURES, "tbt": TBT_FEATURES, "transfer": TRANSFER_FEATURES}
 TERMS = tuple(FEATURES)
 
@@ -57,8 +58,9 @@ def physics(d: Deployment) -> Roofline:
 
 
 def prefill_features(r: Roofline, time_scale: float, prompt_tokens: int, cached_tokens: int) -> list[float]:
-    """Chunked prefill of the uncached tokens: steps, linear FLOPs, causal attention FLOPs (first
-    and second order in the context), weights read once per step; all at peak rates."""
+    """Chunked prefill of the uncached tokens, at peak rates: a weight read per step (what each
+    step costs whatever its size: overhead, launch, weights), linear FLOPs, causal attention
+    FLOPs, and attention FLOPs weighted by context (second order: kernels slowing with it)."""
     prompt = max(1, prompt_tokens)
     cached = min(max(0, cached_tokens), prompt - 1)
     new = prompt - cached
@@ -66,22 +68,28 @@ def prefill_features(r: Roofline, time_scale: float, prompt_tokens: int, cached_
     attn = 4.0 * r.layers * r.hidden / r.attn_flops_per_s
     sum_ctx = new * (cached + (new + 1) / 2.0)  # contexts cached+1 .. prompt
     sum_ctx2 = (prompt * (prompt + 1) * (2 * prompt + 1) - cached * (cached + 1) * (2 * cached + 1)) / 6.0
-    return [steps * time_scale, 2.0 * r.params * new / r.flops_per_s, attn * sum_ctx,
-            attn * sum_ctx2 / CTX_SCALE, steps * r.weight_bytes / r.mem_bytes_per_s]
+    return [steps * r.weight_bytes / r.mem_bytes_per_s, 2.0 * r.params * new / r.flops_per_s, attn * sum_ctx,
+            attn * sum_ctx2 / CTX_SCALE]
 
 
 def tbt_features(r: Roofline, time_scale: float, running: int, kv_tokens: int, prompt_tokens: int,
                  max_tokens: int) -> list[float]:
-    """A decode step once this request joins: fixed and per-sequence costs, weights and KV read,
-    linear FLOPs of the batch (KV at the request's largest, as the analytic TBT)."""
+    """A decode step once this request joins, at peak rates: the weight read (what every step
+    costs: overhead, launch, weights), the KV read (at the request's largest, as the analytic
+    TBT) and the batch's linear FLOPs (what each sequence adds: FLOPs, sampling, bookkeeping)."""
     batch = max(0, running) + 1
     kv = max(0, kv_tokens) + max(0, prompt_tokens) + max(1, max_tokens)
-    return [time_scale, batch * time_scale * 1e-3, r.weight_bytes / r.mem_bytes_per_s,
-            kv * r.kv_bytes_per_token / r.mem_bytes_per_s, 2.0 * r.params * batch / r.flops_per_s]
+    return [r.weight_bytes / r.mem_bytes_per_s, kv * r.kv_bytes_per_token / r.mem_bytes_per_s,
+            2.0 * r.params * batch / r.flops_per_s]
 
 
 def transfer_features(r_dst: Roofline, time_scale: float, tokens: int, bandwidth: float) -> list[float]:
     return [time_scale, tokens * r_dst.kv_bytes_per_token / bandwidth]
+
+
+def group_of(deployment: str) -> str:
+    """The model group of a deployment: its name without any time scale (features carry that)."""
+    return deployment.split(TIME_SCALE_SEP, 1)[0]
 
 
 def dot(w: Sequence[float], x: Sequence[float]) -> float:
@@ -291,7 +299,7 @@ class LearnedBundle:
                 from predictors.facts import load_deployment
                 dd = self.book._default_deployment
                 d = load_deployment(dd) if isinstance(dd, str) else dd
-            group = d.name.split("@", 1)[0]
+            group = group_of(d.name)
             p = self._phys[key] = (physics(d), d.time_scale, group)
         return key, p[0], p[1], p[2]
 

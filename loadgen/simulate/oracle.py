@@ -8,12 +8,14 @@ perfect scheduling is what no predictor can (contention, queueing order, future 
 """
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 from engines_adapters.sim.profiles import Profile, load_profile
 from engines_adapters.sim.timing import StepTimer, chunk_ctx
 from predictors.analytic import AnalyticQueue
 from predictors.base import DecodeState, Predictors
+from predictors.learned import learned_predictors
 from predictors.registry import make_predictors
 from predictors.types import Tier
 from scheduler import Instance
@@ -77,4 +79,6 @@ def predictors_factory(name: str, cluster: ClusterSpec) -> Callable[[list[Instan
         return None
     if name == "oracle":
         return lambda members: oracle_predictors(cluster)
+    if os.path.isdir(name):  # a directory written by conductor calibrate: fresh corrections per run
+        return lambda members: learned_predictors(name)
     return lambda members: make_predictors(name)
