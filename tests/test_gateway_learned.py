@@ -35,9 +35,10 @@ def test_gateway_serves_with_learned_predictors_and_reloads_safely(models):
     with gateway(cfg) as gw:
         url = gw["url"]
         for i in range(4):  # streamed: the gateway sees every token's time (a TBT observation)
+            text = f"tell me about learned predictors, take {i} " * 20
             with requests.post(f"{url}/v1/chat/completions", timeout=60, stream=True, json={
                     "model": "llama3-8b", "stream": True, "max_tokens": 24,
-                    "messages": [{"role": "user", "content": f"tell me about learned predictors, take {i} " * 20}]}) as r:
+                    "messages": [{"role": "user", "content": text}]}) as r:
                 assert r.status_code == 200, r.text
                 chunks = [line for line in r.iter_lines() if line.startswith(b"data: {")]
             assert len(chunks) > 8
