@@ -45,9 +45,11 @@ def build_parser() -> Parser:
 
 def read_records(paths: list[str]) -> list[RequestRecord]:
     out: list[RequestRecord] = []
-    for path in paths:
+    for k, path in enumerate(paths):
         try:
-            out.extend(read_jsonl(path))
+            for r in read_jsonl(path):
+                r.extra["source"] = k  # each file its own run (its own clock and instances)
+                out.append(r)
         except FileNotFoundError:
             raise CLIError(f"--telemetry {path}: no such file") from None
         except (json.JSONDecodeError, TypeError) as e:

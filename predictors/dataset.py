@@ -3,6 +3,8 @@
 A record has the features known at decision time and the outcomes measured after; the terms are
 separated like this, with nothing but the records themselves:
 
+Instances are told apart per run (:func:`run_of`): one telemetry file, one simulated load.
+
 * **prefill**: a prefill instance serves its queue first come, first served, so a request's own
   prefill is its *service time*: from when it could start (its leg began and the request ahead
   of it on that instance finished) to its end. Requests finishing in the same engine step are one
@@ -18,6 +20,7 @@ separated like this, with nothing but the records themselves:
 """
 from __future__ import annotations
 
+import re
 from bisect import bisect_right
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
@@ -121,6 +124,18 @@ def _deployment(name: str | None, default: str | None, cache: dict[str, Deployme
     return n
 
 
+#: ``conductor simulate`` names a request ``s{load}-t{policy}-r{index}``: one run per (load, policy).
+_SIM_RUN = re.compile(r"^(s\d+-t\d+)-r\d+$")
+
+
+def run_of(r: RequestRecord) -> str:
+    """Which run (one clock, one set of instances) a record belongs to: the telemetry file it was
+    read from (``extra["source"]``) and, for a simulation of several loads or policies, its
+    (load, policy); instance names and times repeat across runs."""
+    m = _SIM_RUN.match(r.request_id)
+    return f"{r.extra.get('source', '')}|{m.group(1) if m else ''}"
+
+
 def build_dataset(records: Iterable[RequestRecord], default_deployment: str | None = None) -> Dataset:
     """Rows per term from finished records; :class:`DataError` when a needed column is missing."""
     recs = list(records)
@@ -148,14 +163,14 @@ def build_dataset(records: Iterable[RequestRecord], default_deployment: str | No
     # --- prefill service times and queues, per prefill instance in completion order ----------
     prefill: list[PrefillRow] = []
     queue: list[QueueRow] = []
-    by_inst: dict[str, list[RequestRecord]] = {}
+    by_inst: dict[tuple[str, str], list[RequestRecord]] = {}
     for r in placed:
         if r.prefill_instance == r.decode_instance:
             skip("colocated (no prefill leg)")
             continue
         if r.prefill_start_s is None or r.prefill_end_s is None:
             raise DataError(f"record {r.request_id}: no prefill leg times (prefill_start_s, prefill_end_s)")
-        by_inst.setdefault(r.prefill_instance, []).append(r)  # type: ignore[arg-type]
+        by_inst.setdefault((run_of(r), r.prefill_instance), []).append(r)  # type: ignore[arg-type]
     for inst, rs in by_inst.items():
         rs.sort(key=lambda r: (r.prefill_end_s or 0.0, r.decided_s or 0.0))
         starts: list[float] = sorted(r.prefill_start_s or 0.0 for r in rs)

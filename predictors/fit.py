@@ -47,13 +47,23 @@ class Fitted:
 
 
 def fit_weights(x: np.ndarray, y: np.ndarray, offset: np.ndarray | None = None,
-                rel: np.ndarray | None = None) -> np.ndarray:
-    """Non-negative weights minimising sum(((x @ w + offset - y) / rel)^2); rel defaults to y."""
+                rel: np.ndarray | None = None, rounds: int = 1) -> np.ndarray:
+    """Non-negative weights minimising the squared error relative to ``rel`` (default y):
+    sum(((x @ w + offset - y) / rel)^2), DistServe's relative-error fit. ``rounds`` > 1 then
+    reweights relative to the previous prediction (the mean of a multiplicative noise rather
+    than a low-biased fit); measured on the gap profile's telemetry it lowers the hand-over's
+    median error but raises every term's MAPE and the TTFT's, so one round is the default."""
     off = np.zeros_like(y) if offset is None else offset
     scale = y if rel is None else rel
-    reg = LinearRegression(positive=True, fit_intercept=False)
-    reg.fit(x, y - off, sample_weight=1.0 / np.maximum(scale, 1e-9) ** 2)
-    w: np.ndarray = np.maximum(reg.coef_, 0.0)
+    w: np.ndarray = np.zeros(x.shape[1])
+    for _ in range(max(1, rounds)):
+        reg = LinearRegression(positive=True, fit_intercept=False)
+        reg.fit(x, y - off, sample_weight=1.0 / np.maximum(scale, 1e-9) ** 2)
+        w = np.maximum(reg.coef_, 0.0)
+        pred = x @ w + off
+        if not np.all(pred > 0):
+            break
+        scale = pred
     return w
 
 
