@@ -197,12 +197,16 @@ def test_online_correction_moves_only_the_observed_term_of_the_observed_instance
     queued.prefill_end_s = queued.prefill_start_s + 100.0
     p.observe(queued)
     assert p.bundle.ewma["prefill"].get("p-1") == pytest.approx(1.5, rel=0.02)
-    # TBT observations move TBT of that decode instance only, and stay bounded
+    # TBT observations move TBT (of the decode instance's whole deployment group: a per-instance
+    # factor would herd requests onto whichever instance looked fast), bounded at 2x
     for rec in synth_records(80, seed=6):
         rec.token_times = [rec.token_times[0] + 10 * k for k in range(len(rec.token_times))]  # absurdly slow
         rec.prefill_instance = "p-2"
         p.observe(rec)
-    assert p.bundle.ewma["tbt"].get("d-1") == pytest.approx(2.0) and p.bundle.ewma["tbt"].get("d-2") == 1.0
+    key = f"group:{DEPLOYMENT}"
+    assert p.bundle.correction_key("tbt", "d-1") == p.bundle.correction_key("tbt", "d-2") == key
+    assert p.bundle.ewma["tbt"].get(key) == pytest.approx(2.0)
+    assert p.tbt.tbt(DecodeState("d-2", 4, 10_000), 800, 100) == pytest.approx(2 * tbt_before)
     assert p.bundle.ewma["prefill"].get("p-1") == pytest.approx(1.5, rel=0.02)
     assert p.bundle.ewma["prefill"].get("p-2") == pytest.approx(1.0)  # its model was exact
 
