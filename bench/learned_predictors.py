@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/learned_predictors.py [--profile llama3-8b-h200-gap] [--prefill 4 --decode 4]
         [--trace data/traces/mooncake_conversation_trace.jsonl] [--train 1500] [--train-loads 0.5,1,2]
-        [--eval 1000] [--eval-load 2] [--slo-ttft-ms 30000] [--slo-tbt-ms 200] [--out DIR]
+        [--eval 1000] [--eval-load 2] [--slo-ttft-ms 5000] [--slo-tbt-ms 25] [--out DIR]
 
 1. Telemetry: ``simulate`` (the live scheduler, the sim engine's EngineModel in virtual time,
    analytic predictors) replays the first ``--train`` requests of the trace at each training
@@ -41,6 +41,7 @@ from prediction_error import actual_decode_step, actual_prefill  # noqa: E402
 
 from engines_adapters.sim.profiles import load_profile  # noqa: E402
 from loadgen.arrivals import sped_up  # noqa: E402
+from loadgen.metrics import summarize  # noqa: E402
 from loadgen.simulate.cluster import ClusterSpec, SchedulerSpec  # noqa: E402
 from loadgen.simulate.oracle import predictors_factory  # noqa: E402
 from loadgen.simulate.run import simulate  # noqa: E402
@@ -68,9 +69,7 @@ def run(w, cluster: ClusterSpec, slo: SLO, predictors: str, label: str) -> list[
 
 def in_operation(records: list[RequestRecord], slo: SLO) -> dict[str, float | None]:
     ok = [r for r in records if r.status == "ok"]
-    sent = len(records)
-    met = sum(r.meets(slo) for r in records)
-    span = max((r.end_s or 0) for r in records) - min(r.arrival_s for r in records)
+    s = summarize(records, slo)
     ttft = [abs(r.predicted_ttft_s / r.ttft_s - 1) for r in ok if r.predicted_ttft_s and r.ttft_s]
     tbt = [abs(r.predicted_tbt_s / r.tbt_s - 1) for r in ok if r.predicted_tbt_s and len(r.intervals) > 8]
     for r in records:
@@ -79,7 +78,7 @@ def in_operation(records: list[RequestRecord], slo: SLO) -> dict[str, float | No
     by_id = {r.request_id: r for r in ok}
     pre = [abs(by_id[row.request_ids[0]].predicted_prefill_s / row.service_s - 1)  # type: ignore[operator]
            for row in ds.prefill if row.clean and by_id[row.request_ids[0]].predicted_prefill_s]
-    return {"attainment": met / sent, "goodput": met / span if span else 0.0, "admitted": len(ok) / sent,
+    return {"attainment": s["slo_attainment"], "goodput": s["goodput_rps"] or 0.0, "admitted": len(ok) / len(records),
             "ttft_p50": float(np.quantile(ttft, 0.5)) if ttft else None,
             "ttft_p90": float(np.quantile(ttft, 0.9)) if ttft else None,
             "tbt_mape": statistics.mean(tbt) if tbt else None, "prefill_mape": statistics.mean(pre) if pre else None,
@@ -131,8 +130,8 @@ def main() -> int:
     ap.add_argument("--train-loads", default="0.5,1,2")
     ap.add_argument("--eval", type=int, default=1000)
     ap.add_argument("--eval-load", type=float, default=2.0)
-    ap.add_argument("--slo-ttft-ms", type=float, default=30000)
-    ap.add_argument("--slo-tbt-ms", type=float, default=200)
+    ap.add_argument("--slo-ttft-ms", type=float, default=5000)
+    ap.add_argument("--slo-tbt-ms", type=float, default=25)
     ap.add_argument("--out", help="keep the telemetry and models here (default: a temporary directory)")
     a = ap.parse_args()
     slo = SLO(a.slo_ttft_ms / 1e3, a.slo_tbt_ms / 1e3)

@@ -58,7 +58,8 @@ def read_records(paths: list[str]) -> list[RequestRecord]:
 
 
 def split(ds: Dataset, how: str, fraction: float, seed: int) -> tuple[Any, Any]:
-    """(train(t), held(row)) predicates: by decision time, or a random share of decision times."""
+    """(train(t), held(row)) predicates over a row's position in its run: the latest ``fraction``
+    of every run, or a random share."""
     ts = sorted({q.t for q in ds.queue} | {b.t for b in ds.tbt} | {p.t for p in ds.prefill})
     if how == "time":
         cut = ts[min(len(ts) - 1, int(len(ts) * (1 - fraction)))]
@@ -146,7 +147,8 @@ def plots(out: str, scored: dict[str, Scored], q: float) -> list[str]:
         k = max(1, len(hit) // 20)
         ax.plot(s.t[order][k - 1:], np.convolve(hit, np.ones(k) / k, mode="valid"), label=t)
     ax.axhline(q, color="k", lw=0.8, ls="--")
-    ax.set(title=f"p{q * 100:g} coverage over time (rolling, held-out)", xlabel="decision time (s)", ylim=(0, 1.02))
+    ax.set(title=f"p{q * 100:g} coverage over time (rolling, held-out)", xlabel="position in its run (decision time)",
+           ylim=(0, 1.02))
     ax.legend(fontsize=8)
     fig.tight_layout()
     paths.append(os.path.join(out, "coverage_over_time.png"))

@@ -21,7 +21,7 @@ Instances are told apart per run (:func:`run_of`): one telemetry file, one simul
 from __future__ import annotations
 
 import re
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -30,11 +30,6 @@ from predictors.telemetry import RequestRecord
 
 #: Token gaps a TBT row needs (a Mooncake TBT over fewer is mostly noise).
 MIN_TBT_INTERVALS = 8
-#: Columns a calibration needs in every placed, finished record.
-REQUIRED = ("request_id", "status", "prompt_tokens", "decided_s", "prefill_instance", "decode_instance",
-            "hit_tokens", "queue_requests", "decode_running", "decode_kv_tokens", "prefill_start_s", "prefill_end_s",
-            "first_token_s", "token_times")
-
 
 class DataError(ValueError):
     """Telemetry a calibration cannot use (one line saying what is missing)."""
@@ -42,7 +37,7 @@ class DataError(ValueError):
 
 @dataclass
 class PrefillRow:
-    t: float  # decision time of the row's first request (time-ordered hold-out)
+    t: float  # position of the row's (first) request in its run, 0..1 by decision time (see pos)
     deployment: str
     items: list[tuple[int, int]]  # (prompt, cached) per request in the row
     service_s: float
@@ -160,6 +155,18 @@ def build_dataset(records: Iterable[RequestRecord], default_deployment: str | No
     if not placed:
         raise DataError(f"no finished requests among {len(recs)} records")
 
+    # each row's t: its request's position in its run (runs have their own clocks), so a
+    # time-ordered hold-out takes the latest part of every run
+    by_run: dict[str, list[float]] = {}
+    for r in placed:
+        by_run.setdefault(run_of(r), []).append(r.decided_s)  # type: ignore[arg-type]
+    for times in by_run.values():
+        times.sort()
+
+    def pos(r: RequestRecord) -> float:
+        times = by_run[run_of(r)]
+        return bisect_left(times, r.decided_s or 0.0) / len(times)
+
     # --- prefill service times and queues, per prefill instance in completion order ----------
     prefill: list[PrefillRow] = []
     queue: list[QueueRow] = []
@@ -194,7 +201,7 @@ def build_dataset(records: Iterable[RequestRecord], default_deployment: str | No
                 continue
             later = bisect_right(starts, r.prefill_start_s)  # the next leg to start on this instance
             joined = later < len(starts) and starts[later] < r.prefill_end_s
-            current = PrefillRow(r.decided_s, dep, [(r.prompt_tokens, r.hit_tokens)], r.prefill_end_s - start,
+            current = PrefillRow(pos(r), dep, [(r.prompt_tokens, r.hit_tokens)], r.prefill_end_s - start,
                                  clean=prev_end <= r.prefill_start_s and not joined, request_ids=[r.request_id])
             prefill.append(current)
             prev_end = r.prefill_end_s
@@ -204,7 +211,7 @@ def build_dataset(records: Iterable[RequestRecord], default_deployment: str | No
             assert r.decided_s is not None and r.prefill_start_s is not None and r.ttft_s is not None
             ahead = [(o, start_eff[o.request_id]) for o in order[:i]
                      if o.prefill_end_s is not None and o.prefill_end_s > r.decided_s]
-            queue.append(QueueRow(r.decided_s, _deployment(r.prefill_deployment, default_deployment, deployments,
+            queue.append(QueueRow(pos(r), _deployment(r.prefill_deployment, default_deployment, deployments,
                                                             "prefill_deployment"),
                                   r, ahead, max(0.0, start_eff[r.request_id] - r.prefill_start_s), r.ttft_s))
         del inst
@@ -217,7 +224,7 @@ def build_dataset(records: Iterable[RequestRecord], default_deployment: str | No
         ddep = _deployment(r.decode_deployment, default_deployment, deployments, "decode_deployment")
         mt = r.max_tokens or r.output_tokens
         if len(r.token_times) > MIN_TBT_INTERVALS:
-            tbt.append(TBTRow(r.decided_s, ddep, r.decode_instance, r.decode_running, r.decode_kv_tokens,
+            tbt.append(TBTRow(pos(r), ddep, r.decode_instance, r.decode_running, r.decode_kv_tokens,
                               r.prompt_tokens, mt, r.tbt_s))
         else:
             skip("too few tokens for a TBT")
@@ -228,7 +235,7 @@ def build_dataset(records: Iterable[RequestRecord], default_deployment: str | No
             continue
         assert r.first_token_s is not None and r.prefill_end_s is not None
         pdep = _deployment(r.prefill_deployment, default_deployment, deployments, "prefill_deployment")
-        handover.append(HandoverRow(r.decided_s, r.prefill_instance, r.decode_instance, pdep, ddep, r.prompt_tokens,
+        handover.append(HandoverRow(pos(r), r.prefill_instance, r.decode_instance, pdep, ddep, r.prompt_tokens,
                                     r.decode_running, r.decode_kv_tokens, mt, r.first_token_s - r.prefill_end_s))
     return Dataset(prefill, tbt, handover, queue, len(recs), len(placed), skipped, deployments)
 
