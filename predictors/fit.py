@@ -294,7 +294,9 @@ def score(models: LearnedModels, ds: Dataset, keep: Callable[[Any], bool]) -> di
                 p, p9 = predict(tm, h.dst_deployment, ph.transfer_x(h.src_deployment, h.dst_deployment, h.tokens))
                 ana = ph.analytic_transfer(h.src_deployment, h.dst_deployment, h.tokens) + ph.analytic_tbt(
                     h.dst_deployment, h.running, h.kv_tokens, h.tokens, h.max_tokens)
-                rows.append((h.t, h.handover_s, p + step, p9 + step, ana, h.tokens))
+                # the shipment's p90 factor was fitted on the whole hand-over (shipment + first step)
+                f = p9 / p if p > 0 else 1.0
+                rows.append((h.t, h.handover_s, p + step, (p + step) * f, ana, h.tokens))
         out["handover"] = pack(rows)
     if {"prefill", "tbt", "transfer"} <= set(models.terms):
         out["ttft"] = pack(_ttft_rows(models, ph, ds, keep))
@@ -336,7 +338,7 @@ def _ttft_rows(models: LearnedModels, ph: Physics, ds: Dataset,
         pre_l, pre_l9 = predict(pm, src, ph.prefill_x(src, [(r.prompt_tokens, r.hit_tokens)]))
         queue_l = reconstructed_queue(q, learned_prefill)
         learned = queue_l + pre_l + kv_l + step_l
-        learned9 = queue_l + pre_l9 + kv_l9 + step_l
+        learned9 = queue_l + pre_l9 + (kv_l + step_l) * (kv_l9 / kv_l if kv_l > 0 else 1.0)
         analytic = (reconstructed_queue(q, analytic_prefill) + analytic_prefill(r)
                     + ph.analytic_transfer(src, dst, r.prompt_tokens)
                     + ph.analytic_tbt(dst, r.decode_running, r.decode_kv_tokens, r.prompt_tokens, mt))

@@ -274,3 +274,51 @@ def test_calibrate_command_refuses_bad_input_in_one_line(tmp_path, args, message
     args = [{"TEL": tel, "SMALL": small, "OUT": str(tmp_path / "o")}.get(a, a) for a in args]
     r = _cli(*args)
     assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) <= 2, r.stderr
+
+
+def test_gateway_config_names_learned_predictors_and_their_directory():
+    from gateway.config import ConfigError, parse_config
+
+    cfg = parse_config({"predictors": "learned", "predictor_models": "/x"})
+    assert cfg.predictors == "learned" and cfg.predictor_models == "/x" and cfg.predictor_online
+    with pytest.raises(ConfigError, match="needs predictor_models"):
+        parse_config({"predictors": "learned"})
+    with pytest.raises(ConfigError, match="predictors must be one of"):
+        parse_config({"predictors": "xgboost"})
+
+
+def _simulate(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gateway.cli", "simulate", "--trace",
+                           os.path.join(ROOT, "data/traces/mooncake_conversation_trace.jsonl"), "--limit", "40",
+                           "--prefill", "1", "--decode", "1", "--profile", "llama3-8b-h200-gap", "--quiet", *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def test_simulate_predicts_with_a_calibrated_directory(exact, tmp_path):
+    good, _ = exact
+    runs = {}
+    for name, pred in (("analytic", "analytic"), ("learned", good)):
+        tel = tmp_path / f"{name}.jsonl"
+        r = _simulate("--predictors", pred, "--telemetry", str(tel), "--out", str(tmp_path / name))
+        assert r.returncode == 0, r.stderr
+        runs[name] = {x["request_id"]: x for x in map(json.loads, tel.read_text().splitlines())}
+    first = next(iter(runs["learned"]))
+    # the same first request (an idle cluster: same state), other predicted terms
+    assert runs["learned"][first]["predicted_prefill_s"] != runs["analytic"][first]["predicted_prefill_s"]
+    learned = learned_predictors(good, online=False)
+    learned.register("prefill-1", load_deployment(DEPLOYMENT), 10**6)
+    rec = runs["learned"][first]
+    assert rec["predicted_prefill_s"] == pytest.approx(
+        learned.prefill.prefill_time("prefill-1", rec["prompt_tokens"], rec["hit_tokens"]))
+
+
+@pytest.mark.parametrize("pred, message", [("learned", "give the model directory"), ("nothing", "unknown predictors")])
+def test_simulate_refuses_unusable_predictors(tmp_path, pred, message):
+    r = _simulate("--predictors", pred, "--out", str(tmp_path / "o"))
+    assert r.returncode == 2 and message in r.stderr
+
+
+def test_simulate_refuses_a_broken_model_directory(tmp_path):
+    bad = _write(str(tmp_path / "bad"), "{")
+    r = _simulate("--predictors", bad, "--out", str(tmp_path / "o"))
+    assert r.returncode == 2 and "not valid JSON" in r.stderr
