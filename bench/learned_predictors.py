@@ -51,7 +51,7 @@ from predictors.base import DecodeState  # noqa: E402
 from predictors.calibrate import calibrate  # noqa: E402
 from predictors.dataset import build_dataset  # noqa: E402
 from predictors.learned import learned_predictors  # noqa: E402
-from predictors.telemetry import SLO, RequestRecord  # noqa: E402
+from predictors.telemetry import SLO, RequestRecord, write_jsonl  # noqa: E402
 
 
 def pct(x: float | None) -> str:
@@ -150,6 +150,7 @@ def main() -> int:
         for r in recs:
             r.extra["source"] = f"train-{load:g}"
         records += recs
+    write_jsonl(os.path.join(out, "telemetry.jsonl"), records)
     model_dir = os.path.join(out, "models")
     m = calibrate(records, model_dir, telemetry=[f"simulated {a.train_loads}"], draw=True)
     print(f"\n== calibrate ({len(records)} records, {m['rows']}; fit {m['fit_seconds']:.1f} s): held-out, "

@@ -2,8 +2,10 @@
 
 Each term is fitted by non-negative least squares on *relative* error (rows weighted by
 1/actual^2, as DistServe does: plain least squares on raw seconds lets the long requests decide
-everything). Its p90 is split-conformal: the 0.9 quantile of actual / predicted on the latest
-fifth of the training rows, predicted by a model fitted on the rest. Per deployment group when
+everything). Its upper quantile (p90 by default) is a linear quantile regression over the same
+features (pinball loss relative to the actual), with a split-conformal factor (the 0.9 quantile
+of actual / predicted on the latest fifth of the training rows, by a model fitted on the rest)
+kept as the fallback. Per deployment group when
 the group has enough rows, pooled over every group always (features are in each row's own
 physical units, so the pooled weights are inverse efficiencies shared across hardware).
 """
@@ -13,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
-from sklearn.linear_model import LinearRegression  # type: ignore[import-untyped]
+from sklearn.linear_model import LinearRegression, QuantileRegressor  # type: ignore[import-untyped]
 
 from predictors.analytic import Prior, Roofline, roofline_decode_step_s, roofline_prefill_s
 from predictors.dataset import Dataset, HandoverRow, PrefillRow, TBTRow, reconstructed_queue
@@ -87,6 +89,27 @@ def conformal_factor(x: np.ndarray, y: np.ndarray, t: np.ndarray, q: float, offs
     return float(max(1.0, np.quantile(ratios, level)))
 
 
+#: Rows the quantile model is fitted on at most (a linear program: its time grows with them).
+QUANTILE_ROWS = 3000
+
+
+def quantile_weights(x: np.ndarray, y: np.ndarray, scale: np.ndarray, q: float) -> tuple[float, ...] | None:
+    """Linear ``q``-quantile of ``y`` over the features, pinball loss relative to ``scale`` (so
+    short requests weigh as much as long ones); None when it cannot be fitted."""
+    if len(y) < 2 * x.shape[1]:
+        return None
+    idx = np.arange(len(y))
+    if len(idx) > QUANTILE_ROWS:
+        idx = np.random.default_rng(0).choice(idx, QUANTILE_ROWS, replace=False)
+    try:
+        reg = QuantileRegressor(quantile=q, alpha=0.0, fit_intercept=False, solver="highs")
+        reg.fit(x[idx], y[idx], sample_weight=1.0 / np.maximum(scale[idx], 1e-9))
+    except ValueError:
+        return None
+    coef = [float(c) for c in reg.coef_]
+    return tuple(coef) if all(np.isfinite(coef)) else None
+
+
 def fit_term(f: Fitted, q: float = P90, min_rows: int = MIN_ROWS, offset: np.ndarray | None = None,
              rel: np.ndarray | None = None) -> TermModels | None:
     """Pooled model plus one per group with enough rows; None when even the pool is too small."""
@@ -100,7 +123,7 @@ def fit_term(f: Fitted, q: float = P90, min_rows: int = MIN_ROWS, offset: np.nda
         base = f.y[idx] if rel is None else rel[idx]
         mape = float(np.mean(np.abs(pred - f.y[idx]) / np.maximum(base, 1e-12)))
         return TermModel(tuple(float(v) for v in w), conformal_factor(f.x[idx], f.y[idx], f.t[idx], q, off[idx]),
-                         int(len(idx)), mape)
+                         int(len(idx)), mape, quantile_weights(f.x[idx], f.y[idx] - off[idx], f.y[idx], q))
 
     everything = np.arange(len(f.y))
     groups: dict[str, TermModel] = {}
@@ -175,8 +198,7 @@ def predict(models: TermModels, group: str, x: Sequence[float]) -> tuple[float, 
     """(point, p90) from the group's model or the pooled one."""
     m, _ = models.for_group(group_of(group))
     assert m is not None
-    p = dot(m.coef, x)
-    return p, p * m.p90_factor
+    return dot(m.coef, x), m.upper(x)
 
 
 def first_step(models: LearnedModels, ph: Physics, r: HandoverRow) -> float:
@@ -294,9 +316,7 @@ def score(models: LearnedModels, ds: Dataset, keep: Callable[[Any], bool]) -> di
                 p, p9 = predict(tm, h.dst_deployment, ph.transfer_x(h.src_deployment, h.dst_deployment, h.tokens))
                 ana = ph.analytic_transfer(h.src_deployment, h.dst_deployment, h.tokens) + ph.analytic_tbt(
                     h.dst_deployment, h.running, h.kv_tokens, h.tokens, h.max_tokens)
-                # the shipment's p90 factor was fitted on the whole hand-over (shipment + first step)
-                f = p9 / p if p > 0 else 1.0
-                rows.append((h.t, h.handover_s, p + step, (p + step) * f, ana, h.tokens))
+                rows.append((h.t, h.handover_s, p + step, p9 + step, ana, h.tokens))
         out["handover"] = pack(rows)
     if {"prefill", "tbt", "transfer"} <= set(models.terms):
         out["ttft"] = pack(_ttft_rows(models, ph, ds, keep))
@@ -338,7 +358,7 @@ def _ttft_rows(models: LearnedModels, ph: Physics, ds: Dataset,
         pre_l, pre_l9 = predict(pm, src, ph.prefill_x(src, [(r.prompt_tokens, r.hit_tokens)]))
         queue_l = reconstructed_queue(q, learned_prefill)
         learned = queue_l + pre_l + kv_l + step_l
-        learned9 = queue_l + pre_l9 + (kv_l + step_l) * (kv_l9 / kv_l if kv_l > 0 else 1.0)
+        learned9 = queue_l + pre_l9 + kv_l9 + step_l
         analytic = (reconstructed_queue(q, analytic_prefill) + analytic_prefill(r)
                     + ph.analytic_transfer(src, dst, r.prompt_tokens)
                     + ph.analytic_tbt(dst, r.decode_running, r.decode_kv_tokens, r.prompt_tokens, mt))

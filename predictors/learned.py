@@ -103,18 +103,28 @@ class ModelError(ValueError):
 
 @dataclass(frozen=True)
 class TermModel:
-    """One fitted term: weights over the term's features, and the p90 as a factor over them."""
+    """One fitted term: weights over the term's features, and its upper quantile (p90 by default):
+    a linear quantile model over the same features (``p90_coef``), else a factor over the point."""
 
     coef: tuple[float, ...]
     p90_factor: float = 1.0
     n: int = 0
     train_mape: float | None = None
+    p90_coef: tuple[float, ...] | None = None
 
     def predict(self, x: Sequence[float]) -> float:
         return dot(self.coef, x)
 
+    def upper(self, x: Sequence[float]) -> float:
+        """The upper quantile, never below the point prediction."""
+        point = dot(self.coef, x)
+        if self.p90_coef is None:
+            return point * self.p90_factor
+        return max(point, dot(self.p90_coef, x))
+
     def to_json(self) -> dict[str, Any]:
-        return {"coef": list(self.coef), "p90_factor": self.p90_factor, "n": self.n, "train_mape": self.train_mape}
+        return {"coef": list(self.coef), "p90_factor": self.p90_factor, "n": self.n, "train_mape": self.train_mape,
+                "p90_coef": None if self.p90_coef is None else list(self.p90_coef)}
 
 
 @dataclass(frozen=True)
@@ -170,8 +180,14 @@ def _term_model(raw: Any, n_features: int, where: str) -> TermModel:
         raise ModelError(f"{where}: p90_factor must be a positive finite number, got {p90!r}")
     n = raw.get("n", 0)
     mape = raw.get("train_mape")
+    q = raw.get("p90_coef")
+    if q is not None:
+        if not isinstance(q, list) or len(q) != n_features or any(
+                isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) for c in q):
+            raise ModelError(f"{where}: p90_coef must be a list of {n_features} finite numbers")
     return TermModel(tuple(float(c) for c in coef), float(p90), int(n) if isinstance(n, int) else 0,
-                     float(mape) if isinstance(mape, (int, float)) and not isinstance(mape, bool) else None)
+                     float(mape) if isinstance(mape, (int, float)) and not isinstance(mape, bool) else None,
+                     None if q is None else tuple(float(c) for c in q))
 
 
 def parse_models(raw: Any) -> LearnedModels:
