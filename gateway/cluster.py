@@ -120,6 +120,9 @@ class Cluster:
                 await self.poll_once()
             except Exception:  # polling must outlive any one bad answer
                 log.exception("health poll failed")
+            reload_models = getattr(self.scheduler.predictors, "reload_if_changed", None)
+            if reload_models is not None:  # learned predictors: a recalibrated models.json is picked up
+                reload_models()
 
     async def poll_once(self) -> None:
         ids = list(self.clients)

@@ -470,13 +470,40 @@ class LearnedPredictors(Predictors):
     """The scheduler's bundle over a :class:`LearnedBundle` (``bundle`` for reload and status)."""
 
     bundle: LearnedBundle | None = None
+    watch: str | None = None  # the directory whose models.json is reloaded when it changes
+    _seen: float | None = None  # mtime of the last models.json tried (served or refused)
 
     def reload(self, directory: str) -> LearnedModels:
         """Validate ``DIR/models.json`` and only then serve it; :class:`ModelError` keeps the old."""
         assert self.bundle is not None
+        self._seen = _mtime(directory)
         models = load_models(directory)
         self.bundle.swap(models, os.path.abspath(directory))
+        self.watch = directory
         return models
+
+    def reload_if_changed(self) -> bool:
+        """Reload the watched directory's models.json if it changed since it was last tried (the
+        gateway calls this every health poll); a broken new file is logged once and refused."""
+        if self.watch is None:
+            return False
+        m = _mtime(self.watch)
+        if m is None or m == self._seen:
+            return False
+        try:
+            self.reload(self.watch)
+        except ModelError as e:
+            log.warning("learned predictors: changed model file refused, previous models keep serving: %s", e)
+            return False
+        log.info("learned predictors: reloaded %s (file changed)", self.watch)
+        return True
+
+
+def _mtime(directory: str) -> float | None:
+    try:
+        return os.stat(os.path.join(directory, MODELS_FILE)).st_mtime_ns / 1e9
+    except OSError:
+        return None
 
 
 def learned_predictors(model_dir: str | None = None, *, models: LearnedModels | None = None,
@@ -496,5 +523,7 @@ def learned_predictors(model_dir: str | None = None, *, models: LearnedModels | 
     book = DeploymentBook(prior=Prior() if prior is None else prior)
     b = LearnedBundle(models, book, online=online, alpha=alpha, source=source)
     group: Callable[[str], Hashable] = (lambda instance: instance) if online else (lambda i: book.keyed(i)[0])
-    return LearnedPredictors(queue=AnalyticQueue(), prefill=b, transfer=b, tbt=b, group=group, register=book.set,
-                             unregister=book.remove, bundle=b)
+    p = LearnedPredictors(queue=AnalyticQueue(), prefill=b, transfer=b, tbt=b, group=group, register=book.set,
+                          unregister=book.remove, bundle=b, watch=model_dir)
+    p._seen = None if model_dir is None else _mtime(model_dir)
+    return p

@@ -4,6 +4,7 @@ good one."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import requests
@@ -63,6 +64,18 @@ def test_gateway_serves_with_learned_predictors_and_reloads_safely(models):
         assert requests.get(f"{url}/admin/predictors", timeout=10).json()["reloads"] == 1
         r = requests.post(f"{url}/admin/predictors/reload", data=b"not json", timeout=10)
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+
+        # a recalibration rewrites models.json: the health poll picks it up
+        path = os.path.join(good, "models.json")
+        with open(path) as f:
+            text = f.read()
+        with open(path, "w") as f:
+            f.write(text)
+        os.utime(path, ns=(1, 10**18))
+        deadline = time.monotonic() + 30
+        while requests.get(f"{url}/admin/predictors", timeout=10).json()["reloads"] < 2:
+            assert time.monotonic() < deadline, "the changed model file was not reloaded"
+            time.sleep(0.2)
 
 
 def test_analytic_gateway_refuses_a_reload_and_says_why():

@@ -322,3 +322,28 @@ def test_simulate_refuses_a_broken_model_directory(tmp_path):
     bad = _write(str(tmp_path / "bad"), "{")
     r = _simulate("--predictors", bad, "--out", str(tmp_path / "o"))
     assert r.returncode == 2 and "not valid JSON" in r.stderr
+
+
+def test_a_changed_model_file_is_picked_up_and_a_broken_one_refused(exact, tmp_path, caplog):
+    good, _ = exact
+    d = str(tmp_path / "watched")
+    raw = json.load(open(os.path.join(good, MODELS_FILE)))
+    _write(d, json.dumps(raw))
+    p = learned_predictors(d, online=False)
+    p.register("p-1", load_deployment(DEPLOYMENT), 400_000)
+    before = p.prefill.prefill_time("p-1", 5000, 0)
+    assert not p.reload_if_changed()  # nothing changed
+    doubled = json.loads(json.dumps(raw))
+    for t in doubled["terms"].values():
+        for m in [t["pooled"], *t["groups"].values()]:
+            m["coef"] = [2 * c for c in m["coef"]]
+    path = _write(d, json.dumps(doubled))
+    os.utime(os.path.join(path, MODELS_FILE), ns=(1, 10**18))
+    assert p.reload_if_changed() and p.prefill.prefill_time("p-1", 5000, 0) == pytest.approx(2 * before)
+    _write(d, "{broken")
+    os.utime(os.path.join(d, MODELS_FILE), ns=(1, 2 * 10**18))
+    with caplog.at_level("WARNING"):
+        assert not p.reload_if_changed()
+    assert "refused" in caplog.text and p.prefill.prefill_time("p-1", 5000, 0) == pytest.approx(2 * before)
+    caplog.clear()
+    assert not p.reload_if_changed() and "refused" not in caplog.text  # refused once, not every poll
