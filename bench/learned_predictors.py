@@ -2,12 +2,13 @@
 
     .venv/bin/python bench/learned_predictors.py [--profile llama3-8b-h200-gap] [--prefill 4 --decode 4]
         [--trace data/traces/mooncake_conversation_trace.jsonl] [--train 1500] [--train-loads 0.5,1,2]
-        [--eval 1000] [--eval-load 2] [--slo-ttft-ms 5000] [--slo-tbt-ms 25] [--out DIR]
+        [--eval 1000] [--eval-load 2] [--slo-ttft-ms 5000] [--slo-tbt-ms 25] [--holdout time|random] [--out DIR]
 
 1. Telemetry: ``simulate`` (the live scheduler, the sim engine's EngineModel in virtual time,
    analytic predictors) replays the first ``--train`` requests of the trace at each training
    load on the gap cluster; every finished request's RequestRecord is training data.
-2. ``conductor calibrate`` on it (time-ordered 20% hold-out): held-out error per term, learned
+2. ``conductor calibrate`` on it (the latest 20% of every run held out, or a random 20%): held-out
+   error per term, learned
    beside analytic, p90 coverage, and extrapolation (fitted on the shortest 90% of prompts,
    scored on the longest 10%).
 3. Direct: lone prefills and decode steps on an idle gap engine (noise off), the learned model
@@ -132,6 +133,8 @@ def main() -> int:
     ap.add_argument("--eval-load", type=float, default=2.0)
     ap.add_argument("--slo-ttft-ms", type=float, default=5000)
     ap.add_argument("--slo-tbt-ms", type=float, default=25)
+    ap.add_argument("--holdout", choices=("time", "random"), default="time",
+                    help="calibrate's hold-out: the latest 20%% of every run (default) or a random 20%%")
     ap.add_argument("--out", help="keep the telemetry and models here (default: a temporary directory)")
     a = ap.parse_args()
     slo = SLO(a.slo_ttft_ms / 1e3, a.slo_tbt_ms / 1e3)
@@ -152,9 +155,9 @@ def main() -> int:
         records += recs
     write_jsonl(os.path.join(out, "telemetry.jsonl"), records)
     model_dir = os.path.join(out, "models")
-    m = calibrate(records, model_dir, telemetry=[f"simulated {a.train_loads}"], draw=True)
-    print(f"\n== calibrate ({len(records)} records, {m['rows']}; fit {m['fit_seconds']:.1f} s): held-out, "
-          "time-ordered 20% ==")
+    m = calibrate(records, model_dir, holdout=a.holdout, telemetry=[f"simulated {a.train_loads}"], draw=True)
+    print(f"\n== calibrate ({len(records)} records, {m['rows']}; fit {m['fit_seconds']:.1f} s): held-out "
+          f"({a.holdout}) 20% ==")
     print(f"{'term':<9} {'n':>5} {'learned MAPE':>12} {'APE p50':>8} {'p90 coverage':>12} {'analytic MAPE':>13} "
           f"{'APE p50':>8}")
     for term, mm in m["holdout_metrics"].items():

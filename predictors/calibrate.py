@@ -176,7 +176,7 @@ def calibrate(records: list[RequestRecord], out: str, *, holdout: str = "time", 
     # extrapolation: fit on the shortest 90% of prompts, score on the longest 10%
     prompts = np.array([r.prompt_tokens for r in ds.queue] or [0])
     p90_prompt = int(np.quantile(prompts, 0.9))
-    short, _ = fit_all(ds, None, q, max_prompt=p90_prompt, min_rows=min_rows)
+    short, _ = fit_all(ds, None, q, max_prompt=p90_prompt, min_rows=min_rows, quantiles=False)
     extrapolation = {}
     if short.terms:
         ex = score(short, ds, lambda row: row.prompt_tokens > p90_prompt)

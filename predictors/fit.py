@@ -111,7 +111,7 @@ def quantile_weights(x: np.ndarray, y: np.ndarray, scale: np.ndarray, q: float) 
 
 
 def fit_term(f: Fitted, q: float = P90, min_rows: int = MIN_ROWS, offset: np.ndarray | None = None,
-             rel: np.ndarray | None = None) -> TermModels | None:
+             rel: np.ndarray | None = None, quantiles: bool = True) -> TermModels | None:
     """Pooled model plus one per group with enough rows; None when even the pool is too small."""
     if len(f.y) < min_rows:
         return None
@@ -122,17 +122,21 @@ def fit_term(f: Fitted, q: float = P90, min_rows: int = MIN_ROWS, offset: np.nda
         pred = f.x[idx] @ w + off[idx]
         base = f.y[idx] if rel is None else rel[idx]
         mape = float(np.mean(np.abs(pred - f.y[idx]) / np.maximum(base, 1e-12)))
+        upper = quantile_weights(f.x[idx], f.y[idx] - off[idx], f.y[idx], q) if quantiles else None
         return TermModel(tuple(float(v) for v in w), conformal_factor(f.x[idx], f.y[idx], f.t[idx], q, off[idx]),
-                         int(len(idx)), mape, quantile_weights(f.x[idx], f.y[idx] - off[idx], f.y[idx], q))
+                         int(len(idx)), mape, upper)
 
     everything = np.arange(len(f.y))
+    pooled = one(everything)
     groups: dict[str, TermModel] = {}
     labels = np.array(f.groups)
     for g in sorted(set(f.groups)):
         idx = np.nonzero(labels == g)[0]
-        if len(idx) >= min_rows:
+        if len(idx) == len(everything):  # one group: it is the pool
+            groups[g] = pooled
+        elif len(idx) >= min_rows:
             groups[g] = one(idx)
-    return TermModels(one(everything), groups)
+    return TermModels(pooled, groups)
 
 
 # --- the design matrices ------------------------------------------------------------------------
@@ -209,9 +213,11 @@ def first_step(models: LearnedModels, ph: Physics, r: HandoverRow) -> float:
 
 
 def fit_all(ds: Dataset, train: Callable[[float], bool] | None = None, q: float = P90,
-            max_prompt: int | None = None, min_rows: int = MIN_ROWS) -> tuple[LearnedModels, dict[str, str]]:
+            max_prompt: int | None = None, min_rows: int = MIN_ROWS,
+            quantiles: bool = True) -> tuple[LearnedModels, dict[str, str]]:
     """Fit every term on the rows ``train(t)`` keeps (and, for extrapolation checks, only prompts
-    up to ``max_prompt``); returns the models and, per term left out, why."""
+    up to ``max_prompt``); returns the models and, per term left out, why. ``quantiles`` False
+    skips the quantile regressions (a point-only fit)."""
     keep = train or (lambda t: True)
     ph = Physics(ds.deployments)
     terms: dict[str, TermModels] = {}
@@ -224,13 +230,13 @@ def fit_all(ds: Dataset, train: Callable[[float], bool] | None = None, q: float 
     clean = [r for r in pre if r.clean]
     if len(clean) >= min_rows:  # lone prefills are exact observations; shared steps blur the rest
         pre = clean
-    m = fit_term(prefill_matrix(ph, pre), q, min_rows) if pre else None
+    m = fit_term(prefill_matrix(ph, pre), q, min_rows, quantiles=quantiles) if pre else None
     if m is None:
         missing["prefill"] = f"{len(pre)} prefill rows (need {min_rows})"
     else:
         terms["prefill"] = m
     tb = [r for r in ds.tbt if keep(r.t) and small(r.prompt_tokens)]
-    m = fit_term(tbt_matrix(ph, tb), q, min_rows) if tb else None
+    m = fit_term(tbt_matrix(ph, tb), q, min_rows, quantiles=quantiles) if tb else None
     if m is None:
         missing["tbt"] = f"{len(tb)} TBT rows (need {min_rows}, each with > 8 token gaps)"
     else:
@@ -240,7 +246,7 @@ def fit_all(ds: Dataset, train: Callable[[float], bool] | None = None, q: float 
         partial = LearnedModels(dict(terms))
         f = handover_matrix(ph, ho)
         steps = np.array([first_step(partial, ph, r) for r in ho])
-        m = fit_term(f, q, min_rows, offset=steps)
+        m = fit_term(f, q, min_rows, offset=steps, quantiles=quantiles)
         if m is not None:
             terms["transfer"] = m
     if "transfer" not in terms:
