@@ -206,11 +206,14 @@ def build_dataset(records: Iterable[RequestRecord], default_deployment: str | No
             prefill.append(current)
             prev_end = r.prefill_end_s
         # the queue each request found: the requests decided before it and not yet prefilled
-        order = sorted(rs, key=lambda r: r.decided_s)  # type: ignore[arg-type, return-value]
-        for i, r in enumerate(order):
+        order = sorted(rs, key=lambda r: r.decided_s or 0.0)
+        pending: list[RequestRecord] = []  # decided earlier, not prefilled yet (in decision order)
+        for r in order:
             assert r.decided_s is not None and r.prefill_start_s is not None and r.ttft_s is not None
-            ahead = [(o, start_eff[o.request_id]) for o in order[:i]
-                     if o.prefill_end_s is not None and o.prefill_end_s > r.decided_s]
+            now = r.decided_s
+            pending = [o for o in pending if (o.prefill_end_s or 0.0) > now]
+            ahead = [(o, start_eff[o.request_id]) for o in pending]
+            pending.append(r)
             queue.append(QueueRow(pos(r), _deployment(r.prefill_deployment, default_deployment, deployments,
                                                             "prefill_deployment"),
                                   r, ahead, max(0.0, start_eff[r.request_id] - r.prefill_start_s), r.ttft_s))
