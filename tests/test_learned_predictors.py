@@ -347,3 +347,30 @@ def test_a_changed_model_file_is_picked_up_and_a_broken_one_refused(exact, tmp_p
     assert "refused" in caplog.text and p.prefill.prefill_time("p-1", 5000, 0) == pytest.approx(2 * before)
     caplog.clear()
     assert not p.reload_if_changed() and "refused" not in caplog.text  # refused once, not every poll
+
+
+def test_compiled_closed_forms_equal_the_models_over_their_features(exact):
+    """Serving folds the weights into each deployment's constants: the same answers as the
+    models' dot products over the documented features."""
+    import random
+
+    from predictors.learned import physics, prefill_features, tbt_features, transfer_features
+
+    good, _ = exact
+    models = load_models(good)
+    p = learned_predictors(good, online=False)
+    d = load_deployment(DEPLOYMENT)
+    for i in ("a", "b"):
+        p.register(i, d, 400_000)
+    r = physics(d)
+    rng = random.Random(5)
+    for _ in range(300):
+        prompt = rng.randrange(1, 131_000)
+        cached = rng.randrange(0, prompt + 5)
+        running, kv, mt = rng.randrange(0, 300), rng.randrange(0, 10**6), rng.randrange(0, 2000)
+        want = models.terms["prefill"].pooled.predict(prefill_features(r, 1.0, prompt, cached))
+        assert p.prefill.prefill_time("a", prompt, cached) == pytest.approx(want, rel=1e-9)
+        want = models.terms["tbt"].pooled.predict(tbt_features(r, 1.0, running, kv, prompt, mt))
+        assert p.tbt.tbt(DecodeState("a", running, kv), prompt, mt) == pytest.approx(want, rel=1e-9)
+        want = models.terms["transfer"].pooled.predict(transfer_features(r, 1.0, prompt, d.net_bytes_per_s))
+        assert p.transfer.transfer_time(prompt, "a", "b") == pytest.approx(want, rel=1e-9)
