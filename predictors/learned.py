@@ -303,6 +303,42 @@ def _compile(models: LearnedModels, key: int, r: Roofline, ts: float, group: str
         None if x is None else (x.coef[0] * ts, x.coef[1] * r.kv_bytes_per_token))
 
 
+#: Resolution of the served prefill correction (0.5%): see :class:`_PrefillGroup`.
+FACTOR_STEPS = 200
+
+
+class _PrefillGroup:
+    """A predictor group for a decision's memo (scheduler/cost.py's ``TermBook``): instances of one
+    deployment whose prefill corrections are in the same step answer alike. Hashed when a decision
+    builds its memo keys, so it follows the corrections as they move between decisions."""
+
+    __slots__ = ("bundle", "instance", "_gen", "_k", "_h")
+
+    def __init__(self, bundle: LearnedBundle, instance: str):
+        self.bundle, self.instance = bundle, instance
+        self._gen = -1
+        self._k: tuple[int, int] = (0, 0)
+        self._h = 0
+
+    def _key(self) -> tuple[int, int]:
+        b = self.bundle
+        if self._gen != b.generation:  # recomputed only after a correction, reload or registration
+            self._k = (b._compiled(self.instance).key, b.prefill_step(self.instance))
+            self._h = hash(self._k)
+            self._gen = b.generation
+        return self._k
+
+    def __hash__(self) -> int:
+        self._key()
+        return self._h
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _PrefillGroup) and self._key() == other._key()
+
+    def __repr__(self) -> str:
+        return f"_PrefillGroup({self.instance!r}, {self._key()})"
+
+
 class LearnedBundle:
     """The models being served, the analytic fallback, and the online corrections.
 
@@ -328,6 +364,7 @@ class LearnedBundle:
         self._memo: dict[tuple[Hashable, ...], float] = {}
         self._warned: set[tuple[str, str]] = set()
         self.reloads = 0
+        self.generation = 0  # bumped whenever a group's answers may change (_PrefillGroup's cache)
 
     # --- models --------------------------------------------------------------------------
     def swap(self, models: LearnedModels, source: str) -> None:
@@ -338,6 +375,7 @@ class LearnedBundle:
         self._warned.clear()
         self.ewma = {t: Ewma(self.ewma[t].alpha) for t in TERMS}
         self.reloads += 1
+        self.generation += 1
 
     def _physics(self, instance: str) -> tuple[int, Roofline, float, str]:
         key, _ = self.book.keyed(instance)
@@ -371,10 +409,12 @@ class LearnedBundle:
         """The scheduler's hook: the instance's public deployment (its compiled terms follow)."""
         self.book.set(instance, deployment, kv_capacity_tokens)
         self._inst.pop(instance, None)
+        self.generation += 1
 
     def unregister(self, instance: str) -> None:
         self.book.remove(instance)
         self._inst.pop(instance, None)
+        self.generation += 1
 
     def _compiled(self, instance: str) -> _Compiled:
         c = self._inst.get(instance)
@@ -433,7 +473,12 @@ class LearnedBundle:
         t = self.prefill_base(instance, prompt_tokens, cached_tokens)
         if t is None:
             return self._fallback_prefill.prefill_time(instance, prompt_tokens, cached_tokens)
-        return t * self.ewma["prefill"].factor.get(instance, 1.0) if self.online else t
+        return t * self.prefill_step(instance) / FACTOR_STEPS if self.online else t
+
+    def prefill_step(self, instance: str) -> int:
+        """The instance's prefill correction in steps of 1/FACTOR_STEPS: instances in the same
+        step and deployment answer alike, so a decision still computes their terms once."""
+        return round(self.ewma["prefill"].factor.get(instance, 1.0) * FACTOR_STEPS)
 
     def tbt(self, state: DecodeState, prompt_tokens: int, max_tokens: int) -> float:
         t = self.tbt_base(state, prompt_tokens, max_tokens)
@@ -472,6 +517,7 @@ class LearnedBundle:
             base = self.prefill_base(p, rec.prompt_tokens, rec.hit_tokens)
             if base is not None:
                 self.ewma["prefill"].update(p, rec.prefill_end_s - rec.prefill_start_s, base, rec.predicted_prefill_s)
+                self.generation += 1
         # TBT: the request's own token gaps against the state it was placed in
         if d is not None and len(rec.token_times) > MIN_TBT_INTERVALS:
             state = DecodeState(d, rec.decode_running, rec.decode_kv_tokens)
@@ -579,7 +625,8 @@ def learned_predictors(model_dir: str | None = None, *, models: LearnedModels | 
             log.warning("learned predictors: %s; every term answered by the analytic prior", e)
     book = DeploymentBook(prior=Prior() if prior is None else prior)
     b = LearnedBundle(models, book, online=online, alpha=alpha, source=source)
-    group: Callable[[str], Hashable] = (lambda instance: instance) if online else (lambda i: book.keyed(i)[0])
+    # online: instances alike in deployment and prefill correction share a group (computed once per decision)
+    group: Callable[[str], Hashable] = (lambda i: _PrefillGroup(b, i)) if online else (lambda i: book.keyed(i)[0])
     p = LearnedPredictors(queue=AnalyticQueue(), prefill=b, transfer=b, tbt=b, group=group, register=b.register,
                           unregister=b.unregister, bundle=b, watch=model_dir)
     p._seen = None if model_dir is None else _mtime(model_dir)

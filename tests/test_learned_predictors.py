@@ -177,6 +177,7 @@ def test_online_correction_moves_only_the_observed_term_of_the_observed_instance
     p = learned_predictors(good, alpha=0.2)
     for i in ("p-1", "p-2", "d-1", "d-2"):
         p.register(i, load_deployment(DEPLOYMENT), 400_000)
+    assert p.group("p-1") == p.group("p-2") and hash(p.group("p-1")) == hash(p.group("p-2"))
     tbt_before = p.tbt.tbt(DecodeState("d-1", 4, 10_000), 800, 100)
     xfer_before = p.transfer.transfer_time(800, "p-1", "d-1")
     # p-1 prefills 1.5x slower than its model, on requests that found it idle
@@ -189,6 +190,8 @@ def test_online_correction_moves_only_the_observed_term_of_the_observed_instance
     assert p.bundle.ewma["prefill"].get("p-1") == pytest.approx(1.5, rel=0.02)
     assert p.prefill.prefill_time("p-1", 4000, 0) == pytest.approx(1.5 * p.prefill.prefill_time("p-2", 4000, 0),
                                                                    rel=0.02)
+    # a decision computes prefill terms once per group: p-1 now answers apart, p-2 with the rest
+    assert p.group("p-1") != p.group("p-2") == p.group("d-1")
     assert p.tbt.tbt(DecodeState("d-1", 4, 10_000), 800, 100) == tbt_before
     assert p.transfer.transfer_time(800, "p-1", "d-1") == xfer_before
     # a request that queued is not an observation of its prefill
