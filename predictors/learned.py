@@ -579,10 +579,10 @@ class LearnedPredictors(Predictors):
     def reload(self, directory: str) -> LearnedModels:
         """Validate ``DIR/models.json`` and only then serve it; :class:`ModelError` keeps the old."""
         assert self.bundle is not None
-        self._seen = _mtime(directory)
+        seen = _mtime(directory)
         models = load_models(directory)
         self.bundle.swap(models, os.path.abspath(directory))
-        self.watch = directory
+        self.watch, self._seen = directory, seen  # a refused directory changes neither
         return models
 
     def reload_if_changed(self) -> bool:
@@ -596,6 +596,7 @@ class LearnedPredictors(Predictors):
         try:
             self.reload(self.watch)
         except ModelError as e:
+            self._seen = m  # refused once, not at every poll
             log.warning("learned predictors: changed model file refused, previous models keep serving: %s", e)
             return False
         log.info("learned predictors: reloaded %s (file changed)", self.watch)

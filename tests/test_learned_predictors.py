@@ -122,6 +122,7 @@ def test_broken_model_files_are_refused_at_reload_and_the_old_models_keep_servin
         p.reload(bad)
     assert p.bundle.source == os.path.abspath(good) and p.bundle.reloads == 0
     assert p.prefill.prefill_time("p-1", 5000, 0) == before
+    assert not p.reload_if_changed()  # the refused file is not taken for a change of the served one
     missing = str(tmp_path / "nothing")
     with pytest.raises(ModelError, match="no such file"):
         p.reload(missing)
