@@ -14,8 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway.admin import decisions_page, number_decisions
-from gateway.admin_predictors import reload as admin_predictors_reload_
-from gateway.admin_predictors import status as admin_predictors_status
+from gateway.admin_predictors import reload as admin_predictors_reload_, status as admin_predictors_status
 from gateway.auth import EdgeGuard
 from gateway.cluster import Cluster
 from gateway.config import GatewayConfig
