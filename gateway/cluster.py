@@ -18,6 +18,8 @@ from engines_adapters.engine_client import EngineClient
 from engines_adapters.kv_events import KVEventSubscriber
 from gateway.config import EngineConfig, GatewayConfig
 from predictors.analytic import analytic_predictors
+from predictors.base import Predictors
+from predictors.learned import learned_predictors
 from scheduler import Instance, Scheduler
 
 log = logging.getLogger(__name__)
@@ -39,9 +41,15 @@ def build_scheduler(cfg: GatewayConfig, engines: list[EngineConfig]) -> Schedule
     instances = [Instance(e.id, e.role, deployment=e.deployment, healthy=False, kv_capacity_tokens=e.kv_capacity_tokens,
                           max_model_len=e.max_model_len) for e in engines]
     return Scheduler(instances, policy=cfg.policy, slo=cfg.slo, block_size=cfg.block_size, clock=time.monotonic,
-                     predictors=analytic_predictors(prior=cfg.prior), early_rejection=cfg.early_rejection,
+                     predictors=_predictors(cfg), early_rejection=cfg.early_rejection,
                      admission=cfg.admission,
                      keep_decisions=cfg.keep_decisions, **params)
+
+
+def _predictors(cfg: GatewayConfig) -> Predictors:
+    if cfg.predictors == "learned":  # a missing or broken model: the analytic prior answers (logged)
+        return learned_predictors(cfg.predictor_models, prior=cfg.prior, online=cfg.predictor_online, strict=False)
+    return analytic_predictors(prior=cfg.prior)
 
 
 class Cluster:
@@ -95,6 +103,9 @@ class Cluster:
         await self.poll_once()
         for eid in self.clients:  # one loop per engine: a hung engine never delays another's checks
             self._tasks.append(asyncio.create_task(self._watch(eid), name=f"health-{eid}"))
+        reload_models = getattr(self.scheduler.predictors, "reload_if_changed", None)
+        if reload_models is not None:
+            self._tasks.append(asyncio.create_task(self._reload_predictors(reload_models), name="predictors-reload"))
 
     def open_kv_events(self) -> None:
         """Bind (or connect) every engine's KV-event socket, once. Called before engines start,
@@ -178,6 +189,15 @@ class Cluster:
             except Exception:  # polling must outlive any one bad answer
                 log.exception("health poll of %s failed", eid)
             await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+
+    async def _reload_predictors(self, reload_models: Callable[[], object]) -> None:
+        """Learned predictors: a recalibrated models.json is picked up, checked every health interval."""
+        while True:
+            await asyncio.sleep(self.cfg.health_interval_s)
+            try:
+                reload_models()
+            except Exception:
+                log.exception("reloading the predictors failed")
 
     async def poll_once(self) -> None:
         ids = list(self.clients)
