@@ -70,6 +70,12 @@ def sse_lines(url: str, body: dict, on_event=None) -> tuple[dict, list[bytes]]:
         return dict(r.headers), lines
 
 
+def in_flight(url: str) -> float:
+    metrics = requests.get(url + "/metrics", timeout=10).text
+    return next(float(line.split()[-1]) for line in metrics.splitlines()
+                if line.startswith("conductor_requests_in_flight"))
+
+
 def test_a_hung_decode_is_ejected_its_waiting_requests_retried_and_its_streams_ended():
     with sim_engine("prefill") as p1, sim_engine("decode") as d1, sim_engine("decode") as d2:
         cfg = config('policy = "round_robin"', engines=(("p1", p1, "prefill"), ("d1", d1, "decode"),
@@ -77,45 +83,42 @@ def test_a_hung_decode_is_ejected_its_waiting_requests_retried_and_its_streams_e
         with gateway(cfg) as g:
             url = g["url"]
             model = requests.get(url + "/v1/models").json()["data"][0]["id"]
-
-            def stream_on_d2(n_events: list[int]):
-                body = {"model": model, "messages": [{"role": "user", "content": "stream"}], "max_tokens": 3000,
-                        "ignore_eos": True, "stream": True}
-                with requests.post(url + "/v1/chat/completions", json=body, stream=True, timeout=60) as r:
-                    if r.headers["x-conductor-decode"] != "d2":
-                        return None
-                    lines = []
-                    for line in r.iter_lines():
-                        if line:
-                            lines.append(line)
-                            n_events.append(1)
-                    return lines
+            body = {"model": model, "messages": [{"role": "user", "content": "stream"}], "max_tokens": 3000,
+                    "ignore_eos": True, "stream": True}
+            # round robin alternates the decode instances: of two streams opened in turn, one is on d2
+            opened = [requests.post(url + "/v1/chat/completions", json=body, stream=True, timeout=60)
+                      for _ in range(2)]
+            on_d2 = next(r for r in opened if r.headers["x-conductor-decode"] == "d2")
+            lines = on_d2.iter_lines()
+            first = [next(lines) for _ in range(3)]  # it is flowing
 
             def whole(i: int) -> requests.Response:
-                body = {"model": model, "messages": [{"role": "user", "content": f"whole {i}"}], "max_tokens": 1000,
-                        "ignore_eos": True}
-                return requests.post(url + "/v1/chat/completions", json=body, headers={"x-request-id": f"w{i}"},
+                b = {"model": model, "messages": [{"role": "user", "content": f"whole {i}"}], "max_tokens": 1000,
+                     "ignore_eos": True}
+                return requests.post(url + "/v1/chat/completions", json=b, headers={"x-request-id": f"w{i}"},
                                      timeout=60)
 
-            with concurrent.futures.ThreadPoolExecutor(8) as pool:
-                events: list[int] = []
-                streams = [pool.submit(stream_on_d2, events) for _ in range(2)]  # one of them lands on d2
-                wholes = [pool.submit(whole, i) for i in range(4)]
-                while len(events) < 5:  # the d2 stream is flowing, the whole answers are decoding
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                wholes = [pool.submit(whole, i) for i in range(4)]  # two of them decode on d2
+                for _ in range(200):  # bounded: until all four hold reservations (beside the 2 streams)
+                    if in_flight(url) >= 6:
+                        break
                     time.sleep(0.05)
                 with stopped(d2["proc"]):
                     answers = [w.result() for w in wholes]
-                    lines = next(s.result() for s in streams if s.result() is not None)
+                    rest = [line for line in lines if line]  # ends when the gateway ends the stream
                     view = drained(url)
+            for r in opened:
+                r.close()
             # the answers waiting on d2 (nothing had reached their clients) were retried on d1
-            assert [a.status_code for a in answers] == [200] * 4
+            assert first and [a.status_code for a in answers] == [200] * 4
             assert {a.headers["x-conductor-decode"] for a in answers} == {"d1"}
             decisions = requests.get(url + "/admin/decisions", params={"limit": 100}).json()["decisions"]
             first_tries = [d["chosen"]["decode"] for d in decisions if d["request_id"].startswith("w")]
             assert "d2" in first_tries
             # the stream on d2 (already sending) ended with an SSE error naming the ejection
-            err = json.loads(lines[-2][len(b"data: "):])["error"]
-            assert "ejected" in err["message"] and lines[-1] == b"data: [DONE]"
+            err = json.loads(rest[-2][len(b"data: "):])["error"]
+            assert "ejected" in err["message"] and rest[-1] == b"data: [DONE]"
             assert not view["d2"]["healthy"] and view["d1"]["healthy"]
             assert all(i["active_requests"] == 0 and i["reserved_prefill_tokens"] == 0 for i in view.values())
 
@@ -198,9 +201,7 @@ def test_sigterm_with_streams_in_flight_ends_the_gateway_and_its_engines_in_time
         try:
             assert all(r.status_code == 200 for r in responses)
             for _ in range(200):  # the non-streamed request is in progress too (7 reservations)
-                metrics = requests.get(url + "/metrics", timeout=10).text
-                if next(float(line.split()[-1]) for line in metrics.splitlines()
-                        if line.startswith("conductor_requests_in_flight")) >= 7:
+                if in_flight(url) >= 7:
                     break
                 time.sleep(0.05)
             if hang_an_engine:
