@@ -357,6 +357,9 @@ class Scheduler:
         except TypeError:
             raise _Refused(BAD_REQUEST, "bad_block_hashes", "block hashes must be integers") from None
         ctx.store_blocks = ctx.match.store
+        told = getattr(facts, "store_blocks", None)
+        if isinstance(told, int) and not isinstance(told, bool) and told > ctx.store_blocks:
+            ctx.store_blocks = min(told, usable)
         ctx.usable_blocks = usable
         if self._inflight:
             self.inflight.expire(ctx.now)

@@ -21,6 +21,7 @@ import itertools
 import math
 import random
 from collections import deque
+from typing import TYPE_CHECKING
 
 from predictors.types import ROLES
 from scheduler.hashing import block_hashes, digest_to_int, vllm_block_digests, vllm_none_hash
@@ -31,6 +32,9 @@ from .profiles import Profile
 from .records import EngineStats, Finished, FirstToken, HeldKV, SimRequest, StepResult
 from .text import OutputSampler
 from .timing import StepTimer
+
+if TYPE_CHECKING:
+    from ..store.connector import StoreConnector
 
 __all__ = ["ROLES", "EngineModel", "EngineStats", "Finished", "FirstToken", "HeldKV", "SimRequest", "StepResult"]
 
@@ -45,7 +49,7 @@ class _Seq:
                  "hashes", "nb", "n_alloc", "cap", "computed", "num_out", "out_off", "state",
                  "looked_up", "arrival", "scheduled", "first_token", "cached_tokens", "transfer_s",
                  "preemptions", "load_kind", "load_hits", "load_start", "hold_expires", "decoding", "loaded",
-                 "lookup_hits")
+                 "lookup_hits", "store_blocks", "store_fetched", "store_load_s")
 
     def __init__(self, req: SimRequest, now: float, hashes: list[int], out_off: int, target: int):
         self.rid = req.request_id
@@ -78,6 +82,7 @@ class _Seq:
         self.decoding = False  # sampled at the end of its prefill: one token per step from now on
         self.loaded = False  # holds KV loaded from a remote instance or the host tier
         self.lookup_hits = 0  # prefix tokens found by the pending lookup (counted on admission)
+        self.store_blocks, self.store_fetched, self.store_load_s = req.store_blocks, req.store_fetched, req.store_load_s
 
     @property
     def num_tokens(self) -> int:
@@ -92,7 +97,11 @@ class EngineModel:
                  kv_hold_timeout: float = 30.0,
                  net_bytes_per_s: float | None = None, transfer_latency_s: float | None = None,
                  host_bytes_per_s: float | None = None, median_output: int = 128,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, store: StoreConnector | None = None,
+                 store_writes: bool = False):
+        """``store``: a store connector the engine calls itself (the simulator); ``store_writes``:
+        report prefills in ``StepResult.store_writes`` for a driver that writes to the store (the
+        live engine, which loads what ``SimRequest.store_blocks`` says)."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         if block_size <= 0 or max_num_seqs <= 0 or max_num_batched_tokens <= 0:
@@ -147,6 +156,11 @@ class EngineModel:
         self.prefix_hits = 0
         self.host_hits = 0
         self.num_preemptions = 0
+        self.store = store
+        self.store_writes = store_writes
+        self.store_hits = 0
+        self.store_loads = 0
+        self.store_load_s = 0.0
 
     # --- requests ---------------------------------------------------------------------------
     def add_request(self, req: SimRequest, now: float) -> None:
@@ -246,7 +260,8 @@ class EngineModel:
             waiting=len(self._waiting) + loading, loading=loading, held=len(self._held),
             kv_usage=kv.usage(), kv_capacity_blocks=kv.capacity, kv_free_blocks=kv.num_free(),
             queued_prefill_tokens=queued, prefix_queries=self.prefix_queries, prefix_hits=self.prefix_hits,
-            host_hits=self.host_hits, preemptions=self.num_preemptions, host_blocks=len(kv.host))
+            host_hits=self.host_hits, preemptions=self.num_preemptions, host_blocks=len(kv.host),
+            store_hits=self.store_hits, store_loads=self.store_loads, store_load_s=self.store_load_s)
 
     # --- the step ---------------------------------------------------------------------------
     def step(self, now: float) -> StepResult:
@@ -367,6 +382,8 @@ class EngineModel:
         res.prefill_tokens = prefill_tokens
         res.decode_seqs = n_decode
         end = now + dur
+        if first and (self.store is not None or self.store_writes):
+            self._write_through(first, end, res)
         for s in first:
             s.first_token = end
             res.first_tokens.append(FirstToken(s.rid, s.arrival, s.scheduled if s.scheduled is not None else now,
@@ -477,8 +494,9 @@ class EngineModel:
         remote = s.remote_kv and not s.remote_done
         # a remote pull brings everything beyond the device hits: host copies are not used (nor counted)
         hh = kv.match_host(s.hashes, g, limit) if kv.host_capacity and not remote else 0
-        if remote or hh:
-            need = (-(-s.P // bs) - g) if remote else hh
+        sb, store_ready = (0, now) if remote else self._store_lookup(s, g + hh, limit, now)
+        if remote or hh or sb:
+            need = (-(-s.P // bs) - g) if remote else hh + sb
             if not kv.alloc(need):
                 kv.release(s.hashes, g, 0)
                 return _BLOCKED
@@ -495,17 +513,22 @@ class EngineModel:
                 self._net_free_at = start + nbytes / self.net_bytes_per_s
                 ready = self._net_free_at + self.transfer_latency_s
                 s.load_kind = _REMOTE
-            else:
-                nbytes = hh * bs * self._kv_bytes
-                start = max(now, self._host_free_at)
-                self._host_free_at = start + nbytes / self.host_bytes_per_s
-                ready = self._host_free_at
+            else:  # the host-tier part at host bandwidth, the store part as the store modelled it
+                ready = store_ready
+                if hh:
+                    start = max(now, self._host_free_at)
+                    self._host_free_at = start + hh * bs * self._kv_bytes / self.host_bytes_per_s
+                    ready = max(ready, self._host_free_at)
                 s.load_kind = _HOST
-            s.load_hits = (g, hh)
+            s.load_hits = (g, hh + sb)
             s.load_start = now
             self.prefix_queries += s.num_tokens
-            self.prefix_hits += (g + hh) * bs
+            self.prefix_hits += (g + hh + sb) * bs
             self.host_hits += hh * bs
+            if sb:
+                self.store_hits += sb * bs
+                self.store_loads += 1
+                self.store_load_s += store_ready - now
             if s.scheduled is None:
                 s.scheduled = now
             heapq.heappush(self._loading, (ready, next(self._tie), s))
@@ -517,6 +540,30 @@ class EngineModel:
         s.looked_up = True
         s.lookup_hits = g * bs
         return _READY
+
+    def _store_lookup(self, s: _Seq, start: int, limit: int, now: float) -> tuple[int, float]:
+        """Blocks beyond ``start`` to load from the shared store, and when the load ends."""
+        if start >= limit:
+            return 0, now
+        if self.store is not None:
+            return self.store.lookup(s.hashes, start, limit, now)
+        have = min(s.store_blocks, limit)
+        if have <= start or s.store_fetched <= 0:
+            return 0, now
+        sb = have - start  # the engine's own prefix may have grown since the store was asked
+        return sb, now + s.store_load_s * min(1.0, sb / s.store_fetched)
+
+    def _write_through(self, first: list[_Seq], end: float, res: StepResult) -> None:
+        """Prompts just prefilled here go to the store (not a pulled one: its prefill side writes)."""
+        bs = self.block_size
+        for s in first:
+            n = s.P // bs
+            if s.remote_kv or n == 0:
+                continue
+            if self.store is not None:
+                self.store.write(s.hashes, n, end)
+            else:
+                res.store_writes.append((s.rid, s.prompt[:n * bs], s.hashes[:n]))
 
     def _run_timers(self, now: float, res: StepResult) -> None:
         loaded: list[_Seq] = []

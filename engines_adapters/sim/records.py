@@ -24,6 +24,12 @@ class SimRequest:
     hold_kv: bool = False
     remote_kv: bool = False
     block_hashes: list[int] | None = None
+    # the live engine's store connector asked the store before queueing the request: the store
+    # holds the prompt's first ``store_blocks`` blocks, and loading the ``store_fetched`` of them
+    # beyond this engine's own prefix takes ``store_load_s`` (modelled) seconds
+    store_blocks: int = 0
+    store_fetched: int = 0
+    store_load_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -69,6 +75,9 @@ class StepResult:
     expired: list[str] = field(default_factory=list)  # held KV freed by the hold timeout
     preempted: list[str] = field(default_factory=list)
     events: list = field(default_factory=list)  # kv_wire events, in order
+    # prompts whose prefill ended in this step, for a store write-through: (request id, prompt
+    # tokens, their block hashes); filled only when the engine writes to a store it does not hold
+    store_writes: list[tuple[str, list[int], list[int]]] = field(default_factory=list)
 
     @property
     def end(self) -> float:
@@ -105,3 +114,8 @@ class EngineStats:
     host_hits: int
     preemptions: int
     host_blocks: int
+    # the shared store (out of the repr, which golden runs pin): prefix tokens loaded from it, loads,
+    # and modelled seconds spent loading (summed per load)
+    store_hits: int = field(default=0, repr=False)
+    store_loads: int = field(default=0, repr=False)
+    store_load_s: float = field(default=0.0, repr=False)
