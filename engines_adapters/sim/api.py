@@ -28,6 +28,7 @@ from .driver import EngineDriver, RequestStream
 from .metrics import EngineMetrics
 from .model import SimRequest
 from .pd import KVParams, KVParamsError, KVPuller, PullError, parse_kv_params, prefill_response_params
+from .store_link import StoreLink
 
 _json = msgspec.json.Encoder()
 _ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 409: "ConflictError", 410: "GoneError",
@@ -97,11 +98,13 @@ def _bool_field(body: dict, key: str, default: bool = False) -> bool:
 
 
 class OpenAIApi:
-    def __init__(self, info: ServerInfo, driver: EngineDriver, metrics: EngineMetrics, puller: KVPuller):
+    def __init__(self, info: ServerInfo, driver: EngineDriver, metrics: EngineMetrics, puller: KVPuller,
+                 store: StoreLink | None = None):
         self.info = info
         self.driver = driver
         self.metrics = metrics
         self.puller = puller
+        self.store = store  # the shared KV store connector (--kv-store), or None
         self.tok = ByteTokenizer()
         self._names = {info.served_name, info.hf_name}
         self._remote: dict[str, KVParams] = {}  # decode requests whose prefill still holds KV
@@ -326,6 +329,8 @@ class OpenAIApi:
                                            f"this prompt has {len(g.prompt)}", "kv_transfer_params", echo)
         req = SimRequest(rid, g.prompt, g.max_tokens, output_len=g.max_tokens if g.ignore_eos else None,
                          hold_kv=bool(g.kv and g.kv.do_remote_decode), remote_kv=remote)
+        if self.store is not None and not remote:
+            req.store_blocks, req.store_fetched, req.store_load_s = await self.store.prefetch(g.prompt)
         try:
             st = self.driver.submit(req)
         except ValueError as e:
@@ -389,6 +394,8 @@ class OpenAIApi:
         kvp = self._kv_params_out(g, rid)
         if kvp is not None:
             body["kv_transfer_params"] = kvp
+        if f.store_tokens:  # what the store connector loaded (a router can show it; others ignore it)
+            body["kv_store"] = {"loaded_tokens": f.store_tokens, "load_s": f.transfer_s}
         return _json_response(body, self._timing_headers(st, echo))
 
     async def _stream(self, request: web.Request, st: RequestStream, g: _Gen, rid: str,

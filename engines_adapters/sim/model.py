@@ -49,7 +49,7 @@ class _Seq:
                  "hashes", "nb", "n_alloc", "cap", "computed", "num_out", "out_off", "state",
                  "looked_up", "arrival", "scheduled", "first_token", "cached_tokens", "transfer_s",
                  "preemptions", "load_kind", "load_hits", "load_start", "hold_expires", "decoding", "loaded",
-                 "lookup_hits", "store_blocks", "store_fetched", "store_load_s")
+                 "lookup_hits", "store_blocks", "store_fetched", "store_load_s", "store_loaded")
 
     def __init__(self, req: SimRequest, now: float, hashes: list[int], out_off: int, target: int):
         self.rid = req.request_id
@@ -83,6 +83,7 @@ class _Seq:
         self.loaded = False  # holds KV loaded from a remote instance or the host tier
         self.lookup_hits = 0  # prefix tokens found by the pending lookup (counted on admission)
         self.store_blocks, self.store_fetched, self.store_load_s = req.store_blocks, req.store_fetched, req.store_load_s
+        self.store_loaded = 0  # blocks loaded from the shared store
 
     @property
     def num_tokens(self) -> int:
@@ -420,7 +421,8 @@ class EngineModel:
         res.finished.append(Finished(
             s.rid, reason, s.P, s.num_out, max(0, s.cached_tokens), s.arrival,
             s.scheduled if s.scheduled is not None else s.arrival,
-            s.first_token if s.first_token is not None else end, end, s.transfer_s, s.preemptions, s.hold_kv))
+            s.first_token if s.first_token is not None else end, end, s.transfer_s, s.preemptions, s.hold_kv,
+            s.store_loaded * self.block_size))
         if s.hold_kv:
             s.state = HELD
             s.hold_expires = end + self.kv_hold_timeout
@@ -526,6 +528,7 @@ class EngineModel:
             self.prefix_hits += (g + hh + sb) * bs
             self.host_hits += hh * bs
             if sb:
+                s.store_loaded += sb
                 self.store_hits += sb * bs
                 self.store_loads += 1
                 self.store_load_s += store_ready - now

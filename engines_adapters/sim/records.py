@@ -48,6 +48,7 @@ class Finished:
     transfer_s: float  # KV load time (remote pull or host-tier reload)
     preemptions: int
     kv_held: bool  # KV kept for a decode instance to pull (prefill side of PD)
+    store_tokens: int = field(default=0, repr=False)  # of cached_tokens, loaded from the shared store
 
 
 @dataclass(slots=True)

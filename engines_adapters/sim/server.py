@@ -33,6 +33,7 @@ from .model import ROLES, EngineModel
 from .pd import KVPuller
 from .profiles import load_profile, profile_names
 from .publisher import KVEventPublisher, check_endpoint, loopback_bind_address
+from .store_link import StoreLink
 
 log = logging.getLogger("conductor.sim_engine")
 
@@ -62,6 +63,12 @@ def build_parser() -> Parser:
                    help="modelled seconds a prefill holds KV nobody pulled")
     p.add_argument("--median-output-tokens", type=positive_int, default=128,
                    help="median of the output-length distribution (without ignore_eos)")
+    p.add_argument("--kv-store", metavar="URL",
+                   help="shared KV store (conductor sim-store): load prefixes from it, write prompts through")
+    p.add_argument("--kv-store-recipe", choices=("vllm", "sglang"), default="vllm",
+                   help="store key format: vLLM's MooncakeStoreConnector or SGLang HiCache's (default vllm)")
+    p.add_argument("--kv-store-optional", action="store_true",
+                   help="start even if the store is unreachable (warn; load and write when it answers)")
     p.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
 
@@ -98,7 +105,7 @@ def _engine(args: argparse.Namespace) -> EngineModel:
             profile, args.role, block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs=args.max_num_seqs, kv_capacity_tokens=args.kv_capacity_tokens,
             host_tier_tokens=args.host_tier_tokens, seed=args.seed, noise=args.noise,
-            kv_events=bool(args.kv_events), kv_hold_timeout=args.kv_hold_timeout,
+            kv_events=bool(args.kv_events), kv_hold_timeout=args.kv_hold_timeout, store_writes=bool(args.kv_store),
             median_output=args.median_output_tokens, max_model_len=args.max_model_len)
     except ValueError as e:
         raise CLIError(str(e)) from None
@@ -110,10 +117,19 @@ async def _serve(args: argparse.Namespace, engine: EngineModel, publisher: KVEve
     metrics = EngineMetrics(engine, name)
     driver = EngineDriver(engine, time_scale=args.time_scale, metrics=metrics, publisher=publisher)
     puller = KVPuller()
+    store = None
+    if args.kv_store:
+        store = StoreLink(args.kv_store, engine, engine.profile.model["name"], args.kv_store_recipe)
+        if not await store.open():
+            if not args.kv_store_optional:
+                await store.close()
+                raise CLIError(f"cannot reach the KV store at {args.kv_store}")
+            log.warning("the KV store at %s does not answer; starting without it for now", args.kv_store)
+        driver.on_store_writes = store.write
     info = ServerInfo(host=args.host, port=args.port, role=args.role, served_name=name,
                       hf_name=engine.profile.model["name"], max_model_len=engine.max_model_len,
                       engine_id=f"sim-{uuid.uuid4().hex[:12]}")
-    api = OpenAIApi(info, driver, metrics, puller)
+    api = OpenAIApi(info, driver, metrics, puller, store)
     app = web.Application(client_max_size=256 * 1024 * 1024)
     app.add_routes(api.routes())
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
@@ -139,6 +155,8 @@ async def _serve(args: argparse.Namespace, engine: EngineModel, publisher: KVEve
     engine_task.cancel()
     await runner.cleanup()
     await puller.close()
+    if store is not None:
+        await store.close()
     return code
 
 

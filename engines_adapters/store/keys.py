@@ -43,13 +43,14 @@ def sglang_page_digests(tokens: Sequence[int], page_size: int, parent: bytes | N
 class KeyRecipe:
     """One engine's store-key recipe: digests per block, and the object keys of a block."""
 
-    def __init__(self, recipe: str, model: str, block_size: int):
+    def __init__(self, recipe: str, model: str, block_size: int, seed_text: str | None = None):
+        """``seed_text``: vLLM's PYTHONHASHSEED, which seeds its chain (default: this process's)."""
         if recipe not in RECIPES:
             raise ValueError(f"unknown store key recipe {recipe!r}; expected one of {', '.join(RECIPES)}")
         self.recipe, self.model, self.block_size = recipe, model, block_size
         if recipe == "vllm":
             self._prefix = f"{model.rstrip('/').rsplit('/', 1)[-1]}@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@"
-            self.root: bytes | None = vllm_none_hash()
+            self.root: bytes | None = vllm_none_hash(seed_text)
         else:
             self._prefix = f"{model.replace('/', '-')}_"
             self.root = None
