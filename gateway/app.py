@@ -41,6 +41,8 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
                 embedded = EmbeddedCluster(em)
                 engines += embedded.start()
                 await embedded.wait_ready()
+                if embedded.store is not None and cfg.store is None:  # the embedded store unless one is named
+                    cfg.store = embedded.store
             cluster = Cluster(cfg, engines)
             await cluster.start()
             tracer = provider.get_tracer("conductor") if provider else trace.NoOpTracer()
@@ -99,6 +101,11 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
     @app.get("/admin/cluster")
     async def admin_cluster():
         return state["cluster"].admin_view()
+
+    @app.get("/admin/store")
+    async def admin_store():
+        tier = state["cluster"].store_tier
+        return tier.view() if tier is not None else {"store": None}
 
     @app.get("/admin/decisions")
     async def admin_decisions(limit: int = Query(20, ge=1, le=10_000)):

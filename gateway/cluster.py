@@ -14,6 +14,7 @@ from engines_adapters.drivers import Pair, PairDriver, flavor
 from engines_adapters.engine_client import EngineClient
 from engines_adapters.kv_events import KVEventSubscriber
 from gateway.config import EngineConfig, GatewayConfig
+from gateway.store_tier import StoreTier
 from predictors.analytic import analytic_predictors
 from scheduler import Instance, Scheduler
 
@@ -52,6 +53,7 @@ class Cluster:
         self._zmq = zmq.asyncio.Context()
         self._tasks: list[asyncio.Task] = []
         self._sub_tasks: dict[str, asyncio.Task] = {}
+        self.store_tier: StoreTier | None = None
 
     async def start(self) -> None:
         conn = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
@@ -64,6 +66,11 @@ class Cluster:
             self.drivers[e.id] = fl.driver
             if e.kv_events:
                 self._subscribe(e)
+        if self.cfg.store is not None:
+            st = self.cfg.store
+            self.store_tier = StoreTier(st, self.cfg.block_size, st.model or "")
+            if not await self.store_tier.start():
+                log.warning("store %s does not answer yet: its tier stays off until it does", st.url)
         await self.poll_once()
         self._tasks.append(asyncio.create_task(self._poll_forever(), name="health-poll"))
 
@@ -103,6 +110,8 @@ class Cluster:
         self._sub_tasks.clear()
         if self.session is not None:
             await self.session.close()
+        if self.store_tier is not None:
+            await self.store_tier.stop()
         self._zmq.term()
 
     async def _poll_forever(self) -> None:
@@ -116,6 +125,8 @@ class Cluster:
     async def poll_once(self) -> None:
         ids = list(self.clients)
         results = await asyncio.gather(*(self._poll(i) for i in ids))
+        if self.store_tier is not None:
+            await self.store_tier.check()
         models: set[str] = set()
         for ms in results:
             models.update(ms)
@@ -166,6 +177,8 @@ class Cluster:
 
     def admin_view(self) -> dict:
         snap = self.scheduler.snapshot()
+        if self.store_tier is not None:
+            snap["store"] = self.store_tier.view()
         for inst in snap.get("instances", []):
             e = self.engines.get(inst["id"])
             if e is not None:

@@ -34,6 +34,21 @@ class EngineConfig:
 
 
 @dataclass
+class StoreConfig:
+    """The shared KV store the gateway reads (docs/store.md): the Mooncake master's admin HTTP."""
+
+    url: str = ""  # the master's metrics/admin HTTP, e.g. http://127.0.0.1:9003
+    kv_events: str | None = None  # the master's KV-event PUB endpoint (events mode); None: query mode
+    key_recipe: str = "vllm"  # the engines' store keys: vllm (MooncakeStoreConnector) or sglang (HiCache)
+    model: str | None = None  # model name inside keys (default: the embedded engines' model)
+    hash_seed: str | None = "0"  # the engines' PYTHONHASHSEED (vLLM's chain seed); None: the gateway's own
+    optional: bool = False  # unreachable at start: warn and run without (else exit 2)
+    cache_ttl_s: float = 1.0  # query mode: how long an answer is trusted
+    cache_max_keys: int = 1_000_000
+    timeout_s: float = 1.0
+
+
+@dataclass
 class EmbeddedConfig:
     prefill: int = 2
     decode: int = 2
@@ -42,6 +57,10 @@ class EmbeddedConfig:
     time_scale: float = 1.0
     seed: int = 0
     extra_args: list[str] = field(default_factory=list)
+    # a conductor sim-store beside the engines: prefill engines load from it and write through,
+    # and the gateway's store tier reads its KV events
+    store: bool = True
+    store_gb: float = 64.0
 
 
 @dataclass
@@ -73,6 +92,7 @@ class GatewayConfig:
     keep_decisions: int = 1000
     policy_params: dict[str, Any] = field(default_factory=dict)
     prior: Prior = field(default_factory=Prior)  # the analytic predictors' rules of thumb ([prior])
+    store: StoreConfig | None = None  # the shared KV store ([store]); the embedded one when it runs
 
 
 def _take(section: dict[str, Any], cls, where: str):
@@ -92,6 +112,7 @@ def parse_config(raw: dict[str, Any]) -> GatewayConfig:
     embedded_raw = raw.pop("embedded", None)
     slo_raw = raw.pop("slo", None)
     prior_raw = raw.pop("prior", None)
+    store_raw = raw.pop("store", None)
     cfg = _take(raw, GatewayConfig, "config")
     cfg.engines = engines
     if slo_raw is not None:
@@ -101,6 +122,10 @@ def parse_config(raw: dict[str, Any]) -> GatewayConfig:
         cfg.slo = SLO(ttft_s=_ms(slo_raw.get("ttft_ms")), tbt_s=_ms(slo_raw.get("tbt_ms")))
     if prior_raw is not None:
         cfg.prior = _prior(prior_raw)
+    if store_raw is not None:
+        if not isinstance(store_raw, dict):
+            raise ConfigError("store: expected a table")
+        cfg.store = _take(store_raw, StoreConfig, "store")
     if engines:
         cfg.embedded = None if embedded_raw is None else _take(embedded_raw, EmbeddedConfig, "embedded")
     elif embedded_raw is not None:
@@ -168,6 +193,20 @@ def validate(cfg: GatewayConfig) -> None:
 
         if em.profile not in profile_names():
             raise ConfigError(f"embedded: unknown profile {em.profile!r}; known: {', '.join(profile_names())}")
+    if cfg.store is not None:
+        st = cfg.store
+        if not st.url.startswith(("http://", "https://")):
+            raise ConfigError(f"store: url must be http(s)://... (the master's admin HTTP), got {st.url!r}")
+        if st.key_recipe not in ("vllm", "sglang"):
+            raise ConfigError(f"store: key_recipe must be vllm or sglang, got {st.key_recipe!r}")
+        if st.kv_events is not None and not str(st.kv_events).startswith("tcp://"):
+            raise ConfigError(f"store: kv_events must be a tcp:// endpoint, got {st.kv_events!r}")
+        if st.cache_ttl_s < 0 or st.timeout_s <= 0 or st.cache_max_keys <= 0:
+            raise ConfigError("store: cache_ttl_s must be >= 0, timeout_s and cache_max_keys > 0")
+        if st.model is None and cfg.embedded is None:
+            raise ConfigError("store: model is required (the engines' model name, as it appears in store keys)")
+    if cfg.embedded is not None and cfg.embedded.store_gb <= 0:
+        raise ConfigError("embedded: store_gb must be > 0")
     if cfg.tokenizer not in TOKENIZERS:
         raise ConfigError(f"tokenizer must be one of {TOKENIZERS}, got {cfg.tokenizer!r}")
     if cfg.tokenizer == "hf" and not cfg.tokenizer_path:

@@ -1,5 +1,7 @@
 """The embedded simulated cluster: `conductor serve` with no configuration starts sim engines
-as child processes on loopback (each with KV events) and routes to them."""
+as child processes on loopback (each with KV events) and routes to them; beside them, unless
+``[embedded] store = false``, one ``conductor sim-store`` that the prefill engines load from and
+write through to, and whose KV events feed the gateway's store tier."""
 from __future__ import annotations
 
 import asyncio
@@ -12,7 +14,7 @@ import aiohttp
 
 from engines_adapters.net import free_port
 from engines_adapters.sim.profiles import load_profile
-from gateway.config import EmbeddedConfig, EngineConfig
+from gateway.config import EmbeddedConfig, EngineConfig, StoreConfig
 
 
 def _die_with_parent() -> None:
@@ -32,9 +34,23 @@ class EmbeddedCluster:
         self.cfg = cfg
         self.procs: list[subprocess.Popen] = []
         self.engines: list[EngineConfig] = []
+        self.store: StoreConfig | None = None  # the embedded store, once started
+        self._store_proc: subprocess.Popen | None = None
+
+    def _start_store(self, env: dict[str, str]) -> StoreConfig:
+        port, events = free_port(), free_port()
+        args = [sys.executable, "-m", "gateway.cli", "sim-store", "--port", str(port),
+                "--kv-events", f"tcp://127.0.0.1:{events}", "--dram-gb", str(self.cfg.store_gb),
+                "--nodes", str(max(1, self.cfg.prefill + self.cfg.both)), "--time-scale", str(self.cfg.time_scale)]
+        self.procs.append(subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent))
+        self._store_proc = self.procs[-1]
+        return StoreConfig(url=f"http://127.0.0.1:{port}", kv_events=f"tcp://127.0.0.1:{events}",
+                           model=load_profile(self.cfg.profile).model["name"], hash_seed=env["PYTHONHASHSEED"])
 
     def start(self) -> list[EngineConfig]:
         env = {**os.environ, "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED", "0")}
+        if self.cfg.store:
+            self.store = self._start_store(env)
         roles = ["prefill"] * self.cfg.prefill + ["decode"] * self.cfg.decode + ["both"] * self.cfg.both
         counters: dict[str, int] = {}
         # the gateway gets only the public deployment the engines emulate (never their calibration),
@@ -48,6 +64,8 @@ class EmbeddedCluster:
                     "--kv-events", f"tcp://127.0.0.1:{kv}", "--kv-events-replay", f"tcp://127.0.0.1:{replay}",
                     "--profile", self.cfg.profile, "--time-scale", str(self.cfg.time_scale),
                     "--seed", str(self.cfg.seed + i), *self.cfg.extra_args]
+            if self.store is not None and role != "decode":  # optional: the engine starts before the store answers
+                args += ["--kv-store", self.store.url, "--kv-store-optional"]
             self.procs.append(subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent))
             self.engines.append(EngineConfig(id=eid, role=role, url=f"http://127.0.0.1:{port}", kind="sim",
                                              kv_events=f"tcp://127.0.0.1:{kv}",
@@ -57,19 +75,22 @@ class EmbeddedCluster:
 
     async def wait_ready(self, timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s
+        waits = [(e.id, e.url, p) for e, p in zip(self.engines, self.procs[-len(self.engines):], strict=True)]
+        if self.store is not None:
+            waits.insert(0, ("store", self.store.url, self._store_proc))
         async with aiohttp.ClientSession() as s:
-            for e, p in zip(self.engines, self.procs, strict=True):
+            for eid, url, p in waits:
                 while True:
                     if p.poll() is not None:
-                        raise RuntimeError(f"embedded engine {e.id} exited with code {p.returncode}")
+                        raise RuntimeError(f"embedded engine {eid} exited with code {p.returncode}")
                     try:
-                        async with s.get(e.url + "/health", timeout=aiohttp.ClientTimeout(total=1)) as r:
+                        async with s.get(url + "/health", timeout=aiohttp.ClientTimeout(total=1)) as r:
                             if r.status == 200:
                                 break
                     except (aiohttp.ClientError, asyncio.TimeoutError):
                         pass
                     if time.monotonic() > deadline:
-                        raise RuntimeError(f"embedded engine {e.id} not ready after {timeout_s:.0f} s")
+                        raise RuntimeError(f"embedded engine {eid} not ready after {timeout_s:.0f} s")
                     await asyncio.sleep(0.05)
 
     def stop(self) -> None:

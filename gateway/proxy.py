@@ -115,6 +115,10 @@ class Proxy:
             rec.prompt_tokens, rec.max_tokens = len(tokens), req.max_tokens
             facts = RequestFacts(rec.request_id, len(tokens), block_hashes(tokens, self.cfg.block_size),
                                  req.max_tokens, slo)
+            tier = self.cluster.store_tier
+            if tier is not None:  # what the shared store holds of this prompt (None: tier stale)
+                usable = min(len(facts.block_hashes), (len(tokens) - 1) // self.cfg.block_size)
+                facts.store_blocks = await tier.lookup(tokens, facts.block_hashes, usable)
             try:
                 return await self._watching(request, self._place_and_drive(req, facts, guard))
             except ClientGone:
