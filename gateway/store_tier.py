@@ -40,6 +40,10 @@ class StoreTier:
         self.book = KeyBook(self.recipe)
         self.mode = "events" if cfg.kv_events else "query"
         self.resident: set[bytes] = set()  # events mode: digests of blocks the store holds
+        # the same blocks by our index hash, for those a lookup has mapped already: the walk over
+        # a long prompt is then one C-speed pass (a digest per block would be three)
+        self._held_idx: set[int] = set()
+        self._idx_of: dict[bytes, int] = {}
         self._cache: dict[str, tuple[bool, float]] = {}  # query mode: key -> (held, expires)
         self.stale = True
         self.client: StoreClient | None = None
@@ -98,6 +102,8 @@ class StoreTier:
             assert self.client is not None
             digest_of = self.recipe.digest_of
             self.resident = {d for d in map(digest_of, await self.client.all_keys()) if d is not None}
+            self._held_idx.clear()
+            self._idx_of.clear()
 
     async def _subscribe(self) -> None:
         assert self._zmq is not None and self.cfg.kv_events
@@ -135,6 +141,9 @@ class StoreTier:
                 self.resident.add(d)
             else:
                 self.resident.discard(d)
+                h = self._idx_of.pop(d, None)
+                if h is not None:
+                    self._held_idx.discard(h)
 
     # --- the per-request lookup ----------------------------------------------------------------
     async def lookup(self, tokens: list[int], hashes: list[int], usable: int) -> int | None:
@@ -156,13 +165,32 @@ class StoreTier:
 
     def held_prefix(self, tokens: list[int], hashes: list[int], usable: int) -> int:
         """Events mode, synchronous: leading memoised digests in the resident set."""
-        resident = self.resident
-        n = 0
-        for d in self.book.digests(tokens, hashes, usable):
-            if d not in resident:
+        held = self._held_idx.__contains__
+        k, step = 0, 32
+        while k < usable:  # the blocks mapped already, in growing chunks
+            flags = list(map(held, hashes[k:min(usable, k + step)]))
+            if not all(flags):
+                k += flags.index(False)
                 break
-            n += 1
+            k += len(flags)
+            step *= 2
+        if k == usable:
+            return k
+        # beyond: digests (remembered, or hashed now up to the first miss); after this decision,
+        # remember the held ones by index hash and the rest of the prompt's digests (its next turn)
+        n = self.book.held_prefix(tokens, hashes, usable, self.resident, start=k)
+        asyncio.get_running_loop().call_soon(self._remember, tokens, hashes, k, n, usable)
         return n
+
+    def _remember(self, tokens: list[int], hashes: list[int], k: int, n: int, usable: int) -> None:
+        memo, resident = self.book._memo, self.resident
+        for h in hashes[k:n]:
+            d = memo.get(h)
+            if d is not None and d in resident:  # still held (an event may have come since)
+                self._held_idx.add(h)
+                self._idx_of[d] = h
+        if n < usable and hashes[usable - 1] not in memo:
+            self.book.digests(tokens, hashes, usable)
 
     async def _query(self, tokens: list[int], hashes: list[int], usable: int) -> int:
         assert self.client is not None

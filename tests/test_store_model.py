@@ -128,3 +128,15 @@ def test_keybook_memo_gives_the_same_keys_and_hashes_only_new_blocks():
     assert ka == [r.key(x) for x in vllm_block_digests(a, 4)] and book.hashed == 6
     kb = book.keys(b, block_hashes(b, 4))
     assert kb == [r.key(x) for x in vllm_block_digests(b, 4)] and book.hashed == 8  # 4 shared blocks memoised
+
+
+def test_held_prefix_hashes_lazily_and_stops_at_the_first_miss():
+    r = KeyRecipe("vllm", "m", 4)
+    toks = list(range(500, 540))  # 10 blocks
+    ds = vllm_block_digests(toks, 4)
+    held = set(ds[:6])
+    book = KeyBook(r)
+    assert book.held_prefix(toks, block_hashes(toks, 4), 10, held) == 6 and book.hashed == 7
+    assert book.held_prefix(toks, block_hashes(toks, 4), 4, held) == 4 and book.hashed == 7  # memoised
+    novel = list(range(900, 940))
+    assert book.held_prefix(novel, block_hashes(novel, 4), 10, held) == 0 and book.hashed == 8  # one hash

@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 
 from scheduler.hashing import vllm_block_digests, vllm_none_hash
 
@@ -119,6 +119,41 @@ class KeyBook:
             while len(memo) > self.max_entries:
                 memo.popitem(last=False)
         return out
+
+    def held_prefix(self, tokens: Sequence[int], index_hashes: Sequence[int], n: int, held: Container[bytes],
+                    start: int = 0) -> int:
+        """Leading blocks (of the first ``n``) whose digest is in ``held``, hashing lazily: a block
+        not yet remembered is hashed only if every block before it is held, so a miss costs at
+        most one SHA-256 (call :meth:`digests` later, off the hot path, to remember the rest).
+        ``start``: blocks already known to be held (the walk begins there)."""
+        memo = self._memo
+        n = min(n, len(index_hashes))
+        k, step = start, 16
+        mget, contains = memo.get, held.__contains__
+        while k < n:  # remembered and held, chunk by growing chunk at C speed (a None is never held)
+            chunk = list(map(mget, index_hashes[k:min(n, k + step)]))
+            flags = list(map(contains, chunk))
+            if not all(flags):
+                j = flags.index(False)
+                if chunk[j] is not None:
+                    return k + j  # remembered and not held: the prefix ends here
+                k += j
+                break
+            k += len(chunk)
+            step *= 2
+        parent = memo.get(index_hashes[k - 1]) if k else None
+        bs = self.recipe.block_size
+        while k < n:
+            d = self.recipe.digests(tokens[k * bs:(k + 1) * bs], parent)[0]
+            self.hashed += 1
+            memo[index_hashes[k]] = d
+            if d not in held:
+                break
+            parent, k = d, k + 1
+        if len(memo) > self.max_entries:
+            while len(memo) > self.max_entries:
+                memo.popitem(last=False)
+        return k
 
     def keys(self, tokens: Sequence[int], index_hashes: Sequence[int], limit: int | None = None) -> list[str]:
         key = self.recipe.key
