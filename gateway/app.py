@@ -17,6 +17,7 @@ from gateway.cluster import Cluster
 from gateway.config import GatewayConfig
 from gateway.embedded import EmbeddedCluster
 from gateway.errors import error_response
+from gateway.indexer import Indexer
 from gateway.observability import GatewayMetrics, TelemetryWriter, make_tracer_provider
 from gateway.proxy import Proxy
 from gateway.tokenizers import BuiltinTokenizer, EngineTokenizer, HFTokenizer
@@ -49,6 +50,7 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
             metrics = GatewayMetrics()
             state.update(cluster=cluster, metrics=metrics,
                          proxy=Proxy(cfg, cluster, metrics, telemetry, _tokenizer(cfg, cluster), tracer))
+            state["indexer"] = state["proxy"].indexer = Indexer(cluster, cfg.block_size)
             gc.collect()
             gc.freeze()  # start-up objects leave the collector's view: no full-GC pauses on decisions
             log.info("cluster: %s; ready=%s", ", ".join(f"{e.id}({e.role}) {e.url}" for e in engines), cluster.ready())
@@ -73,6 +75,13 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
     # plain Starlette routes: the hot path skips FastAPI's dependency machinery
     app.add_route("/v1/chat/completions", chat, methods=["POST"])
     app.add_route("/v1/completions", completions, methods=["POST"])
+
+    # the Mooncake Conductor indexer API (gateway/indexer.py)
+    for path, name in (("/query", "query"), ("/query_by_hash", "query_by_hash"), ("/register", "register"),
+                       ("/unregister", "unregister")):
+        async def indexer_route(request: Request, name: str = name):
+            return await getattr(state["indexer"], name)(request)
+        app.add_route(path, indexer_route, methods=["POST"])
 
     @app.get("/v1/models")
     async def models():

@@ -98,6 +98,17 @@ class Cluster:
             backoff = min(backoff * 2, 5.0)
             sub.resync()  # run() reopens the socket; a failure to (e.g. port not yet free) loops here
 
+    def watch_subscriber(self, sub: KVEventSubscriber) -> None:
+        """Keep a subscriber registered at run time (the indexer API's /register) running."""
+        self._sub_tasks[f"registered:{id(sub)}"] = asyncio.create_task(self._keep_subscribed(sub),
+                                                                       name=f"kv-events-{sub.instance_id}")
+
+    def unwatch_subscriber(self, sub: KVEventSubscriber) -> None:
+        task = self._sub_tasks.pop(f"registered:{id(sub)}", None)
+        if task is not None:
+            task.cancel()
+            task.add_done_callback(lambda _t: sub.close())
+
     async def stop(self) -> None:
         tasks = self._tasks + list(self._sub_tasks.values())
         pending = set(tasks)

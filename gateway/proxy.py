@@ -26,6 +26,7 @@ from engines_adapters.drivers import DecodeResponse, PairRequest, UpstreamError,
 from gateway.cluster import Cluster
 from gateway.config import GatewayConfig
 from gateway.errors import RequestError, error_response
+from gateway.indexer import Indexer
 from gateway.observability import GatewayMetrics, RequestSpans, TelemetryWriter
 from gateway.requests import ParsedRequest, parse_body, slo_override
 from gateway.streaming import StreamTally, UpstreamStream
@@ -85,6 +86,7 @@ class Proxy:
                  tokenizer: PromptTokenizer, tracer: trace.Tracer):
         self.cfg, self.cluster, self.metrics = cfg, cluster, metrics
         self.telemetry, self.tokenizer = telemetry, tokenizer
+        self.indexer: Indexer | None = None  # the indexer API, when served (gateway/app.py)
         self.sched = cluster.scheduler
         self._live: set[str] = set()  # request ids between arrival and finish
         ledger = self.sched.ledger
@@ -115,6 +117,9 @@ class Proxy:
             rec.prompt_tokens, rec.max_tokens = len(tokens), req.max_tokens
             facts = RequestFacts(rec.request_id, len(tokens), block_hashes(tokens, self.cfg.block_size),
                                  req.max_tokens, slo)
+            ix = self.indexer
+            if ix is not None and ix.remember_prompts:  # /query_by_hash in use: map this prompt, after the decision
+                asyncio.get_running_loop().call_soon(ix.remember, tokens, facts.block_hashes)
             tier = self.cluster.store_tier
             if tier is not None:  # what the shared store holds of this prompt (None: tier stale)
                 usable = min(len(facts.block_hashes), (len(tokens) - 1) // self.cfg.block_size)

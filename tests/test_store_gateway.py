@@ -127,3 +127,10 @@ def test_embedded_store_lets_a_second_prefill_instance_load_the_prefix():
         assert first is None or first == d1["chosen"]["prefill"]
         assert d2["store_hit_tokens"] > 1000 and d2["terms"]["transfer_from"] == "store"
         assert d2["store_load"]["tokens"] > 1000 and "from the store in" in d2["store_load"]["note"]
+        # the indexer API answers from the same index: both prefill instances and the store hold the prefix
+        engine = requests.get(g["url"] + "/admin/cluster").json()["instances"][0]["url"]
+        tokens = requests.post(engine + "/tokenize", json={"messages": body["messages"]}).json()["tokens"]
+        q = requests.post(g["url"] + "/query", json={"model": model, "token_ids": tokens, "block_size": 16}).json()
+        hits = q["default"]
+        assert hits[d1["chosen"]["prefill"]]["GPU"] >= d2["store_hit_tokens"]
+        assert hits["store"]["CPU"] == d2["store_hit_tokens"]
