@@ -134,3 +134,29 @@ def test_embedded_store_lets_a_second_prefill_instance_load_the_prefix():
         hits = q["default"]
         assert hits[d1["chosen"]["prefill"]]["GPU"] >= d2["store_hit_tokens"]
         assert hits["store"]["CPU"] == d2["store_hit_tokens"]
+
+
+@pytest.mark.parametrize("section, needle", [
+    ('url = "127.0.0.1:9003"', "store: url must be http"),
+    ('url = "http://127.0.0.1:9003"\nkey_recipe = "lmcache"', "key_recipe"),
+    ('url = "http://127.0.0.1:9003"\nkv_events = "ipc:///x"', "kv_events"),
+    ('url = "http://127.0.0.1:9003"\nbogus = 1', "unknown key(s) bogus"),
+    ('url = "http://127.0.0.1:9003"\ncache_ttl_s = -1', "cache_ttl_s"),
+])
+def test_bad_store_sections_are_named(section, needle):
+    import tomllib
+
+    from gateway.config import ConfigError, parse_config
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        parse_config(tomllib.loads("[store]\n" + section + "\n"))
+
+
+def test_a_store_with_configured_engines_needs_the_model_name():
+    import tomllib
+
+    from gateway.config import ConfigError, parse_config
+    eng = '[[engines]]\nid = "p"\nrole = "both"\nurl = "http://127.0.0.1:1"\n'
+    with pytest.raises(ConfigError, match="store: model is required"):
+        parse_config(tomllib.loads('[store]\nurl = "http://127.0.0.1:9003"\n' + eng))
+    cfg = parse_config(tomllib.loads('[store]\nurl = "http://127.0.0.1:9003"\nmodel = "m"\n' + eng))
+    assert cfg.store is not None and cfg.store.model == "m" and cfg.store.kv_events is None
