@@ -42,6 +42,7 @@ class StoreConfig:
     key_recipe: str = "vllm"  # the engines' store keys: vllm (MooncakeStoreConnector) or sglang (HiCache)
     model: str | None = None  # model name inside keys (default: the embedded engines' model)
     hash_seed: str | None = "0"  # the engines' PYTHONHASHSEED (vLLM's chain seed); None: the gateway's own
+    hash_algo: str = "sha256"  # the engines' --prefix-caching-hash-algo (vllm recipe)
     optional: bool = False  # unreachable at start: warn and run without (else exit 2)
     cache_ttl_s: float = 1.0  # query mode: how long an answer is trusted
     cache_max_keys: int = 1_000_000

@@ -28,12 +28,12 @@ from gateway.config import GatewayConfig
 from gateway.errors import RequestError, error_response
 from gateway.indexer import Indexer
 from gateway.observability import GatewayMetrics, RequestSpans, TelemetryWriter
-from gateway.requests import ParsedRequest, parse_body, slo_override
+from gateway.requests import ParsedRequest, cache_salt, parse_body, slo_override
 from gateway.streaming import StreamTally, UpstreamStream
 from gateway.tokenizers import PromptTokenizer
 from predictors.telemetry import RequestRecord
 from scheduler import Rejection, RequestFacts
-from scheduler.hashing import block_hashes
+from scheduler.hashing import block_hashes, namespace_parent
 from scheduler.lifecycle import RequestLifecycle
 
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
@@ -107,6 +107,7 @@ class Proxy:
                     raise RequestError(404, f"model {req.model!r} does not exist; served: {served}",
                                        "model_not_found", "model")
                 slo = slo_override(request.headers)
+                salt = cache_salt(req)
                 tokens = await self.tokenizer.tokens(req)
             except RequestError as e:
                 lc.finish("error", e.status, error=e.code)
@@ -115,13 +116,16 @@ class Proxy:
                 lc.finish("aborted", 499)
                 return Response(status_code=499)
             rec.prompt_tokens, rec.max_tokens = len(tokens), req.max_tokens
-            facts = RequestFacts(rec.request_id, len(tokens), block_hashes(tokens, self.cfg.block_size),
+            # a salt or a LoRA adapter is a namespace of the engines' prefix caches: hash within it
+            lora = req.model if req.model in self.cluster.adapters else None
+            root = namespace_parent(salt, lora) if salt or lora else None
+            facts = RequestFacts(rec.request_id, len(tokens), block_hashes(tokens, self.cfg.block_size, root),
                                  req.max_tokens, slo)
-            ix = self.indexer
-            if ix is not None and ix.remember_prompts:  # /query_by_hash in use: map this prompt, after the decision
+            ix = self.indexer  # (the indexer API and the store know the base namespace only)
+            if ix is not None and ix.remember_prompts and root is None:  # /query_by_hash in use: map this prompt
                 asyncio.get_running_loop().call_soon(ix.remember, tokens, facts.block_hashes)
             tier = self.cluster.store_tier
-            if tier is not None:  # what the shared store holds of this prompt (None: tier stale)
+            if tier is not None and root is None:  # what the shared store holds of this prompt (None: tier stale)
                 usable = min(len(facts.block_hashes), (len(tokens) - 1) // self.cfg.block_size)
                 facts.store_blocks = await tier.lookup(tokens, facts.block_hashes, usable)
             try:

@@ -36,7 +36,7 @@ log = logging.getLogger("conductor.store")
 class StoreTier:
     def __init__(self, cfg: StoreConfig, block_size: int, model: str):
         self.cfg = cfg
-        self.recipe = KeyRecipe(cfg.key_recipe, model, block_size, seed_text=cfg.hash_seed)
+        self.recipe = KeyRecipe(cfg.key_recipe, model, block_size, seed_text=cfg.hash_seed, algo=cfg.hash_algo)
         self.book = KeyBook(self.recipe)
         self.mode = "events" if cfg.kv_events else "query"
         self.resident: set[bytes] = set()  # events mode: digests of blocks the store holds

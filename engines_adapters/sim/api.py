@@ -75,6 +75,7 @@ class _Gen:
     stream: bool
     include_usage: bool
     kv: KVParams | None
+    cache_salt: str | None = None
 
 
 def _int_field(body: dict, key: str) -> int | None:
@@ -294,7 +295,10 @@ class OpenAIApi:
                                "kv_transfer_params")
             if kv.do_remote_decode:
                 max_tokens = 1
-        return _Gen(chat, prompt, max_tokens, _bool_field(body, "ignore_eos"), stream, include_usage, kv)
+        salt = body.get("cache_salt")
+        if salt is not None and (not isinstance(salt, str) or not salt):  # vLLM's own check and message
+            raise ApiError(400, "Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
+        return _Gen(chat, prompt, max_tokens, _bool_field(body, "ignore_eos"), stream, include_usage, kv, salt)
 
     def _request_id(self, request: web.Request) -> str:
         rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
@@ -328,8 +332,8 @@ class OpenAIApi:
                 return error_response(409, f"the prefill instance holds KV for {meta.get('num_tokens')} tokens but "
                                            f"this prompt has {len(g.prompt)}", "kv_transfer_params", echo)
         req = SimRequest(rid, g.prompt, g.max_tokens, output_len=g.max_tokens if g.ignore_eos else None,
-                         hold_kv=bool(g.kv and g.kv.do_remote_decode), remote_kv=remote)
-        if self.store is not None and not remote:
+                         hold_kv=bool(g.kv and g.kv.do_remote_decode), remote_kv=remote, cache_salt=g.cache_salt)
+        if self.store is not None and not remote and not (g.cache_salt or req.lora_name):
             req.store_blocks, req.store_fetched, req.store_load_s = await self.store.prefetch(g.prompt)
         try:
             st = self.driver.submit(req)

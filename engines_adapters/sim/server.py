@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import ipaddress
 import logging
+import os
 import signal
 import sys
 import uuid
@@ -25,6 +26,7 @@ from predictors.cli_args import (
     positive_float,
     positive_int,
 )
+from scheduler.hashing import VLLM_HASH_ALGOS
 
 from .api import OpenAIApi, ServerInfo
 from .driver import EngineDriver
@@ -69,6 +71,8 @@ def build_parser() -> Parser:
                    help="store key format: vLLM's MooncakeStoreConnector or SGLang HiCache's (default vllm)")
     p.add_argument("--kv-store-optional", action="store_true",
                    help="start even if the store is unreachable (warn; load and write when it answers)")
+    p.add_argument("--prefix-caching-hash-algo", default="sha256", choices=VLLM_HASH_ALGOS,
+                   help="KV-event block ids by vLLM's recipe (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0: raw digests)")
     p.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
 
@@ -106,7 +110,9 @@ def _engine(args: argparse.Namespace) -> EngineModel:
             max_num_seqs=args.max_num_seqs, kv_capacity_tokens=args.kv_capacity_tokens,
             host_tier_tokens=args.host_tier_tokens, seed=args.seed, noise=args.noise,
             kv_events=bool(args.kv_events), kv_hold_timeout=args.kv_hold_timeout, store_writes=bool(args.kv_store),
-            median_output=args.median_output_tokens, max_model_len=args.max_model_len)
+            median_output=args.median_output_tokens, max_model_len=args.max_model_len,
+            hash_algo=args.prefix_caching_hash_algo,
+            int_block_hashes=os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1") not in ("0", "false", "False"))
     except ValueError as e:
         raise CLIError(str(e)) from None
 

@@ -29,7 +29,7 @@ MAX_PENDING_PUTS = 64
 class StoreLink:
     def __init__(self, url: str, engine: EngineModel, model_name: str, recipe: str = "vllm"):
         self.url, self.engine = url, engine
-        self.keys = KeyBook(KeyRecipe(recipe, model_name, engine.block_size))
+        self.keys = KeyBook(KeyRecipe(recipe, model_name, engine.block_size, algo=engine.hash_algo))
         self.bytes_per_block = engine.profile.kv_bytes_per_token * engine.block_size
         self.session: aiohttp.ClientSession | None = None
         self.client: StoreClient | None = None

@@ -43,21 +43,25 @@ def sglang_page_digests(tokens: Sequence[int], page_size: int, parent: bytes | N
 class KeyRecipe:
     """One engine's store-key recipe: digests per block, and the object keys of a block."""
 
-    def __init__(self, recipe: str, model: str, block_size: int, seed_text: str | None = None):
-        """``seed_text``: vLLM's PYTHONHASHSEED, which seeds its chain (default: this process's)."""
+    def __init__(self, recipe: str, model: str, block_size: int, seed_text: str | None = None,
+                 algo: str = "sha256"):
+        """``seed_text``: vLLM's PYTHONHASHSEED, which seeds its chain (default: this process's);
+        ``algo``: vLLM's ``--prefix-caching-hash-algo``."""
+        self.algo = algo
         if recipe not in RECIPES:
             raise ValueError(f"unknown store key recipe {recipe!r}; expected one of {', '.join(RECIPES)}")
         self.recipe, self.model, self.block_size = recipe, model, block_size
         if recipe == "vllm":
             self._prefix = f"{model.rstrip('/').rsplit('/', 1)[-1]}@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@"
-            self.root: bytes | None = vllm_none_hash(seed_text)
+            self.root: bytes | None = vllm_none_hash(seed_text, algo)
         else:
             self._prefix = f"{model.replace('/', '-')}_"
             self.root = None
 
     def digests(self, tokens: Sequence[int], parent: bytes | None) -> list[bytes]:
         if self.recipe == "vllm":
-            return vllm_block_digests(tokens, self.block_size, parent=parent if parent is not None else self.root)
+            return vllm_block_digests(tokens, self.block_size, parent=parent if parent is not None else self.root,
+                                      algo=self.algo)
         return sglang_page_digests(tokens, self.block_size, parent)
 
     def key(self, digest: bytes) -> str:
@@ -86,7 +90,7 @@ class KeyRecipe:
             d = bytes.fromhex(rest)
         except ValueError:
             return None
-        return d if len(d) == 32 else None
+        return d if len(d) in (16, 32) else None  # sha256 recipes, or vLLM's xxhash (XXH3-128) ones
 
 
 class KeyBook:
