@@ -79,3 +79,12 @@ def test_the_simulator_with_a_store_reuses_prefixes_across_instances():
 
     off, on = hit(None), hit(StoreSpec())
     assert on > off + 0.1  # round robin spreads a conversation's turns; the store shares their prefixes
+
+
+def test_a_salted_prompt_is_not_written_under_the_base_namespaces_keys():
+    e = EngineModel(PROFILE, "prefill", noise=0, store_writes=True)
+    p = prompt(800)
+    e.add_request(SimRequest("s", p, 1, output_len=1, hold_kv=True, cache_salt="tenant-a"), 0.0)
+    e.add_request(SimRequest("b", p, 1, output_len=1, hold_kv=True), 0.0)
+    _, results, _ = drain(e)
+    assert [w[0] for r in results for w in r.store_writes] == ["b"]
