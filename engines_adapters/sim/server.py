@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
+import hmac
 import ipaddress
 import logging
 import os
@@ -32,7 +34,7 @@ from .api import OpenAIApi, ServerInfo
 from .driver import EngineDriver
 from .metrics import EngineMetrics
 from .model import ROLES, EngineModel
-from .pd import KVPuller
+from .pd import KVPuller, parse_peer
 from .profiles import load_profile, profile_names
 from .publisher import KVEventPublisher, check_endpoint, loopback_bind_address
 from .store_link import StoreLink
@@ -71,6 +73,9 @@ def build_parser() -> Parser:
                    help="store key format: vLLM's MooncakeStoreConnector or SGLang HiCache's (default vllm)")
     p.add_argument("--kv-store-optional", action="store_true",
                    help="start even if the store is unreachable (warn; load and write when it answers)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* as vLLM does")
+    p.add_argument("--kv-peers", metavar="HOST:PORT,...",
+                   help="the only prefill instances a decode may pull KV from (default: any on loopback)")
     p.add_argument("--prefix-caching-hash-algo", default="sha256", choices=VLLM_HASH_ALGOS,
                    help="KV-event block ids by vLLM's recipe (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0: raw digests)")
     p.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -98,8 +103,29 @@ def _check(args: argparse.Namespace) -> None:
                 raise CLIError(f"--{flag.replace('_', '-')}: {e}") from None
     if args.kv_events_replay and not args.kv_events:
         raise CLIError("--kv-events-replay needs --kv-events")
+    if args.kv_peers is not None:
+        try:
+            args.kv_peers = frozenset(parse_peer(x) for x in args.kv_peers.split(",") if x.strip())
+        except ValueError as e:
+            raise CLIError(f"--kv-peers: {e}") from None
     if args.max_num_batched_tokens < args.max_num_seqs:
         raise CLIError("--max-num-batched-tokens must be >= --max-num-seqs")
+
+
+def api_key_middleware(key: str):
+    """vLLM's ``--api-key`` rule: ``/v1/*`` needs ``Authorization: Bearer KEY``, else 401
+    ``{"error": "Unauthorized"}``; the other routes (health, metrics, tokenize, PD) stay open."""
+    want = hashlib.sha256(key.encode()).digest()
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        if request.path.startswith("/v1") and request.method != "OPTIONS":
+            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(hashlib.sha256(token.encode()).digest(), want):
+                return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    return check
 
 
 def _engine(args: argparse.Namespace) -> EngineModel:
@@ -122,7 +148,7 @@ async def _serve(args: argparse.Namespace, engine: EngineModel, publisher: KVEve
     name = args.served_model_name or engine.profile.served_name
     metrics = EngineMetrics(engine, name)
     driver = EngineDriver(engine, time_scale=args.time_scale, metrics=metrics, publisher=publisher)
-    puller = KVPuller()
+    puller = KVPuller(peers=args.kv_peers)
     store = None
     if args.kv_store:
         store = StoreLink(args.kv_store, engine, engine.profile.model["name"], args.kv_store_recipe)
@@ -136,7 +162,8 @@ async def _serve(args: argparse.Namespace, engine: EngineModel, publisher: KVEve
                       hf_name=engine.profile.model["name"], max_model_len=engine.max_model_len,
                       engine_id=f"sim-{uuid.uuid4().hex[:12]}")
     api = OpenAIApi(info, driver, metrics, puller, store)
-    app = web.Application(client_max_size=256 * 1024 * 1024)
+    app = web.Application(client_max_size=256 * 1024 * 1024,
+                          middlewares=[api_key_middleware(args.api_key)] if args.api_key else [])
     app.add_routes(api.routes())
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
