@@ -2,6 +2,8 @@
 recomputed, on another, with the load time charged; the simulator with ``--store``."""
 from __future__ import annotations
 
+import pytest
+
 from engines_adapters.sim.model import EngineModel, SimRequest
 from engines_adapters.store.connector import ModelConnector
 from engines_adapters.store.model import StoreModel, StoreSpec
@@ -88,3 +90,26 @@ def test_a_salted_prompt_is_not_written_under_the_base_namespaces_keys():
     e.add_request(SimRequest("b", p, 1, output_len=1, hold_kv=True), 0.0)
     _, results, _ = drain(e)
     assert [w[0] for r in results for w in r.store_writes] == ["b"]
+
+
+def test_write_back_stores_blocks_when_the_device_evicts_them():
+    store = StoreModel(StoreSpec())
+    bpb = PROFILE.kv_bytes_per_token * BS
+    e1 = EngineModel(PROFILE, "prefill", noise=0, kv_capacity_tokens=120 * BS,
+                     store=ModelConnector(store, bpb), store_policy="write_back")
+    p = prompt(1600)  # 100 blocks
+    e1.add_request(SimRequest("a", p, 1, output_len=1, hold_kv=True), 0.0)
+    _, _, now = drain(e1)
+    assert len(store) == 0  # write-back: nothing yet, the blocks are still on the device
+    e1.release_kv("a")
+    e1.add_request(SimRequest("b", prompt(1600, seed=2), 1, output_len=1, hold_kv=True), now)
+    _, _, now = drain(e1, now)  # b needs the room: a's blocks are evicted, and written back
+    assert len(store) >= 80
+    e1.release_kv("b")
+    # a's head is still on the device (the LRU evicts a prompt's tail first), its tail in the store
+    e1.add_request(SimRequest("c", p, 1, output_len=1, hold_kv=True), now + 1)
+    f, _, _ = drain(e1, now + 1)
+    c = f["c"]
+    assert c.cached_tokens == (1600 - 1) // BS * BS and 0 < c.store_tokens < c.cached_tokens and c.transfer_s > 0
+    with pytest.raises(ValueError, match="write_back needs an in-process"):
+        EngineModel(PROFILE, "prefill", store_writes=True, store_policy="write_back")

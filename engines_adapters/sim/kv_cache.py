@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import zlib
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from ..kv_wire import MEDIUM_CPU, MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored
 
@@ -81,6 +81,7 @@ class KVCache:
         self.events: list | None = [] if events else None
         self.meta: dict[int, Block] | None = {} if events and meta else None
         self.evictions = 0
+        self.on_evict: Callable[[list[int]], None] | None = None  # evicted hashes (a store's write-back)
         self.offloads = 0
         self.merge_removals = merge_removals
 
@@ -130,6 +131,8 @@ class KVCache:
             self._base = base + i
             self._head = 0
         self.evictions += k
+        if self.on_evict is not None:
+            self.on_evict(evicted)
         if self.host_capacity:  # per block: each removal is followed by its offload's events
             meta = self.meta
             for h in evicted:

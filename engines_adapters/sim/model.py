@@ -113,10 +113,17 @@ class EngineModel:
                  net_bytes_per_s: float | None = None, transfer_latency_s: float | None = None,
                  host_bytes_per_s: float | None = None, median_output: int = 128,
                  max_model_len: int | None = None, hash_algo: str = "sha256", int_block_hashes: bool = True,
-                 store: StoreConnector | None = None, store_writes: bool = False):
+                 store: StoreConnector | None = None, store_writes: bool = False,
+                 store_policy: str = "write_through"):
         """``store``: a store connector the engine calls itself (the simulator); ``store_writes``:
         report prefills in ``StepResult.store_writes`` for a driver that writes to the store (the
-        live engine, which loads what ``SimRequest.store_blocks`` says)."""
+        live engine, which loads what ``SimRequest.store_blocks`` says); ``store_policy``:
+        ``write_through`` (after each prefill, HiCache's default) or ``write_back`` (blocks go to
+        the store when the device evicts them; an in-process connector only)."""
+        if store_policy not in ("write_through", "write_back"):
+            raise ValueError(f"store_policy must be write_through or write_back, got {store_policy!r}")
+        if store_policy == "write_back" and store is None and store_writes:
+            raise ValueError("write_back needs an in-process store connector (the simulator's)")
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         if block_size <= 0 or max_num_seqs <= 0 or max_num_batched_tokens <= 0:
@@ -183,6 +190,10 @@ class EngineModel:
         self.num_preemptions = 0
         self.store = store
         self.store_writes = store_writes
+        self.write_back = store_policy == "write_back" and store is not None
+        self._now = 0.0  # the current step's start (evictions during it are written back then)
+        if self.write_back:
+            self.kv.on_evict = self._written_back
         self.store_hits = 0
         self.store_loads = 0
         self.store_load_s = 0.0
@@ -293,6 +304,7 @@ class EngineModel:
     def step(self, now: float) -> StepResult:
         """Schedule and 'run' one batch starting at ``now``; see the module docstring."""
         res = StepResult(start=now)
+        self._now = now
         if self._loading or self._held_order:
             self._run_timers(now, res)
         kv = self.kv
@@ -408,7 +420,7 @@ class EngineModel:
         res.prefill_tokens = prefill_tokens
         res.decode_seqs = n_decode
         end = now + dur
-        if first and (self.store is not None or self.store_writes):
+        if first and (self.store is not None or self.store_writes) and not self.write_back:
             self._write_through(first, end, res)
         for s in first:
             s.first_token = end
@@ -580,6 +592,10 @@ class EngineModel:
             return 0, now
         sb = have - start  # the engine's own prefix may have grown since the store was asked
         return sb, now + s.store_load_s * min(1.0, sb / s.store_fetched)
+
+    def _written_back(self, hashes: list[int]) -> None:
+        assert self.store is not None
+        self.store.write_blocks(hashes, self._now)
 
     def _write_through(self, first: list[_Seq], end: float, res: StepResult) -> None:
         """Prompts just prefilled here go to the store (not a pulled one: its prefill side writes)."""

@@ -29,6 +29,10 @@ class StoreConnector(Protocol):
         """Write-through of the first ``n`` blocks of a prompt just prefilled."""
         ...
 
+    def write_blocks(self, hashes: list[int], now: float) -> None:
+        """Write-back of blocks the device just evicted (each named by its chain hash)."""
+        ...
+
 
 class ModelConnector:
     """A store connector over an in-process store model."""
@@ -64,6 +68,14 @@ class ModelConnector:
         if not keys:
             return
         r = self.store.put(keys, [self.bpb * c] * len(keys), now)
-        if r.failed:  # the engine keeps serving; the prompt is recomputed next time
-            self.write_errors += len(r.failed)
-            self.last_error = next(iter(r.failed.values()))
+        self._failed(r.failed)
+
+    def write_blocks(self, hashes: list[int], now: float) -> None:
+        if self.bpo != 1 or not hashes:  # a chunk object is only written whole, by write-through
+            return
+        self._failed(self.store.put(list(hashes), [self.bpb] * len(hashes), now).failed)
+
+    def _failed(self, failed: dict) -> None:
+        if failed:  # the engine keeps serving; the prompt is recomputed next time
+            self.write_errors += len(failed)
+            self.last_error = next(iter(failed.values()))

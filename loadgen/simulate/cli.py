@@ -56,6 +56,9 @@ def build_parser() -> Parser:
                     help="Transfer Engine bandwidth figures to model (default rdma)")
     st.add_argument("--store-blocks-per-object", type=positive_int, default=1,
                     help="KV blocks per store object (1: one per block, as vLLM's store connector)")
+    st.add_argument("--store-write-back", action="store_true",
+                    help="write blocks to the store when a device evicts them (HiCache's write_back), "
+                         "not after every prefill")
     s = p.add_argument_group("scheduler")
     s.add_argument("--policy", default="conductor", help=f"policy: {', '.join(POLICIES)}")
     s.add_argument("--policy-param", type=policy_param, action="append", default=[], metavar="KEY=VALUE",
@@ -144,7 +147,8 @@ def main(argv: list[str]) -> int:
                           poll_interval_s=a.poll_interval,
                           engine={"max_num_batched_tokens": a.max_num_batched_tokens, "max_num_seqs": a.max_num_seqs,
                                   "host_tier_tokens": a.host_tier_tokens},
-                          store=store, store_blocks_per_object=a.store_blocks_per_object)
+                          store=store, store_blocks_per_object=a.store_blocks_per_object,
+                          store_policy="write_back" if a.store_write_back else "write_through")
     sched = SchedulerSpec(policy=policies[0], policy_params=params, slo=w.slo, early_rejection=a.early_rejection,
                           late_rejection=a.late_rejection,
                           seed=a.seed)

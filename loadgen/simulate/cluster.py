@@ -54,6 +54,7 @@ class ClusterSpec:
     engine: dict[str, Any] = field(default_factory=dict)  # extra EngineModel keyword arguments
     store: StoreSpec | None = None  # a shared Mooncake-style KV store (None: none)
     store_blocks_per_object: int = 1  # KV blocks per store object (1: vLLM's MooncakeStoreConnector)
+    store_policy: str = "write_through"  # or write_back: blocks go to the store when a device evicts them
 
     def roles(self) -> list[tuple[str, Role]]:
         """(instance id, role), named as the embedded cluster names its engines."""
@@ -102,7 +103,8 @@ class SimCluster:
             # a decode-only instance is never a prefill candidate: its KV events could not change a
             # decision (the live gateway indexes them all the same), so it does not produce them
             model = EngineModel(profile, role.value, block_size=spec.block_size, seed=spec.seed + k, noise=spec.noise,
-                                kv_events=role is not Role.DECODE, event_hashes="index", store=conn, **spec.engine)
+                                kv_events=role is not Role.DECODE, event_hashes="index", store=conn,
+                                store_policy=spec.store_policy, **spec.engine)
             self.instances[iid] = SimInstance(iid, role, model, loop, self._on_step)
             members.append(Instance(iid, role, deployment=profile.deployment.name))
         params = dict(sched.policy_params)
