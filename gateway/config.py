@@ -15,6 +15,7 @@ from predictors.types import ROLES
 
 KINDS = ("vllm", "sim")
 TOKENIZERS = ("builtin", "engine", "hf")
+PREDICTORS = ("analytic", "learned")
 
 
 class ConfigError(ValueError):
@@ -97,6 +98,11 @@ class GatewayConfig:
     policy_params: dict[str, Any] = field(default_factory=dict)
     prior: Prior = field(default_factory=Prior)  # the analytic predictors' rules of thumb ([prior])
     store: StoreConfig | None = None  # the shared KV store ([store]); the embedded one when it runs
+    # "analytic" (the roofline over public facts) or "learned" (conductor calibrate's models in
+    # predictor_models; a term without a valid model falls back to analytic, logged)
+    predictors: str = "analytic"
+    predictor_models: str | None = None
+    predictor_online: bool = True  # online EWMA correction of the learned terms
     auth: AuthConfig = field(default_factory=AuthConfig)  # [auth]: client keys, admin token, hosts (gateway/auth.py)
     # a prompt longer than the longest served context (max_model_len) x this many characters a
     # token is refused before tokenizing; default: 1 for the built-in byte tokenizer (exact: a
@@ -225,6 +231,10 @@ def validate(cfg: GatewayConfig) -> None:
             raise ConfigError("store: model is required (the engines' model name, as it appears in store keys)")
     if cfg.embedded is not None and cfg.embedded.store_gb <= 0:
         raise ConfigError("embedded: store_gb must be > 0")
+    if cfg.predictors not in PREDICTORS:
+        raise ConfigError(f"predictors must be one of {PREDICTORS}, got {cfg.predictors!r}")
+    if cfg.predictors == "learned" and not cfg.predictor_models:
+        raise ConfigError("predictors 'learned' needs predictor_models (a directory written by conductor calibrate)")
     if cfg.tokenizer not in TOKENIZERS:
         raise ConfigError(f"tokenizer must be one of {TOKENIZERS}, got {cfg.tokenizer!r}")
     if cfg.tokenizer == "hf" and not cfg.tokenizer_path:
