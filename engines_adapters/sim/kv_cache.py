@@ -68,6 +68,7 @@ class KVCache:
         self.meta: dict[int, Block] | None = {} if events and meta else None
         self.evictions = 0
         self.offloads = 0
+        self.host_medium = MEDIUM_CPU  # the host tier's name in events (SGLang: CPU_PINNED)
 
     # --- capacity ---------------------------------------------------------------------------
     def num_free(self) -> int:
@@ -139,12 +140,12 @@ class KVCache:
             self.events.append(BlockStored(block_hashes=[m.vh if m is not None else h],
                                            parent_block_hash=m.parent_vh if m is not None else None,
                                            token_ids=list((m.tokens if m is not None else None) or ()),
-                                           block_size=self.block_size, lora_id=None, medium=MEDIUM_CPU,
+                                           block_size=self.block_size, lora_id=None, medium=self.host_medium,
                                            lora_name=None))
         if len(host) > self.host_capacity:
             old_h, old = host.popitem(last=False)
             if self.events is not None:
-                self._removed([old.vh if old is not None else old_h], MEDIUM_CPU)
+                self._removed([old.vh if old is not None else old_h], self.host_medium)
 
     def _removed(self, vhs: list[int], medium: str) -> None:
         ev = self.events

@@ -26,6 +26,7 @@ from predictors.types import ROLES
 from scheduler.hashing import block_hashes, digest_to_int, vllm_block_digests, vllm_none_hash
 
 from ..kv_wire import MEDIUM_GPU, BlockStored
+from ..sglang_wire import MEDIUM_HOST as SGLANG_MEDIUM_HOST, digest_to_event_id, page_digests
 from .kv_cache import Block, KVCache
 from .profiles import Profile
 from .records import EngineStats, Finished, FirstToken, HeldKV, SimRequest, StepResult
@@ -126,13 +127,17 @@ class EngineModel:
         self._rng = random.Random(seed)
         self.sampler = OutputSampler(seed, median_output)
         self._corpus = self.sampler.corpus
-        if event_hashes not in ("vllm", "index"):
-            raise ValueError(f"event_hashes must be 'vllm' or 'index', got {event_hashes!r}")
+        if event_hashes not in ("vllm", "index", "sglang"):
+            raise ValueError(f"event_hashes must be 'vllm', 'sglang' or 'index', got {event_hashes!r}")
+        # "sglang": SGLang's page ids (SHA-256 chain, signed int64) and its host medium name
+        self._sglang_ids = event_hashes == "sglang"
+        if self._sglang_ids:
+            self.kv.host_medium = SGLANG_MEDIUM_HOST
         # "vllm": events name blocks by vLLM's sha256 ids, as on the wire; "index": by the chained
         # xxhash the engine already keys its cache by (the simulator's choice: a subscriber
         # re-hashes the events' token ids either way, and sha256 per block dominates its run time)
         self._index_ids = event_hashes == "index"
-        self._none_digest = vllm_none_hash() if kv_events and not self._index_ids else None
+        self._none_digest = vllm_none_hash() if kv_events and event_hashes == "vllm" else None
         self._waiting: deque[_Seq] = deque()
         self._prefilling: list[_Seq] = []
         self._decoding: list[_Seq] = []
@@ -602,9 +607,13 @@ class EngineModel:
                                     tuple(tokens[off * bs:(off + 1) * bs]) if keep_tokens else None)
                     hashes.append(h)
             else:
-                digests = vllm_block_digests(tokens, bs, parent=parent.vdigest if parent else self._none_digest)
+                if self._sglang_ids:  # a page chains from its parent page's digest (the root: none)
+                    digests = page_digests(tokens, bs, parent.vdigest if parent else None)
+                else:
+                    digests = vllm_block_digests(tokens, bs, parent=parent.vdigest if parent else self._none_digest)
+                to_id = digest_to_event_id if self._sglang_ids else digest_to_int
                 for off, d in enumerate(digests):
-                    vh = digest_to_int(d)
+                    vh = to_id(d)
                     meta[hashes_all[a + off]] = Block(vh, d, parent_vh if off == 0 else hashes[-1],
                                                       tuple(tokens[off * bs:(off + 1) * bs]) if keep_tokens else None)
                     hashes.append(vh)

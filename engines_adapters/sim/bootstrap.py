@@ -1,0 +1,292 @@
+"""SGLang's prefill/decode handover (``--disaggregation-mode``), as a router sees it.
+
+The router sends the *same* request to a prefill and a decode instance at once, with
+``bootstrap_host`` / ``bootstrap_port`` (the prefill's bootstrap server, default 8998) and a
+``bootstrap_room`` (a random 63-bit id naming this one handover).
+
+* The prefill instance runs a bootstrap HTTP server (:func:`bootstrap_routes`): SGLang's own
+  ``GET|PUT /route``, ``GET /health``, ``POST /register_dp_rank``, ``POST /query_dp_ranks``; and,
+  standing in for the Mooncake transfer engine's ZMQ handshake, ``POST /kv/pull`` (long poll:
+  answers once the room's KV is computed and held) and ``POST /kv/release``. A prefill request
+  holds its KV under its room (:class:`Rooms`) and answers the router only once the decode side
+  has taken it (or with 500 when nobody did within ``--kv-hold-timeout``); a room already held
+  by another live request is refused (409).
+* The decode instance (:class:`RoomPuller`) checks the prefill's topology once (same page size,
+  as SGLang insists), then polls for its room until ``--disaggregation-waiting-timeout``: a room
+  that never appears (the prefill never got the request) or that holds another prompt (a room
+  collision) ends in a clear 504 and nothing stays reserved on the decode side.
+
+Only loopback bootstrap hosts are reached (this engine never talks beyond 127.0.0.1).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import xxhash
+from aiohttp import web
+
+from .pd import KVParams, KVPuller, PullError
+
+MAX_ROOM = 2**63 - 1
+
+
+def fingerprint(prompt: list[int]) -> str:
+    """Names a prompt, so a decode instance can tell its own KV from a colliding room's."""
+    return xxhash.xxh3_64_hexdigest(repr(prompt).encode())
+
+
+@dataclass(frozen=True)
+class RoomParams(KVParams):
+    """A decode request's handover: where the bootstrap server is and which room to take."""
+
+    room: int = 0
+    prompt_tokens: int = 0
+    fingerprint: str = ""
+
+
+@dataclass
+class _Room:
+    rid: str | None = None
+    fingerprint: str = ""
+    prompt_tokens: int = 0
+    held: asyncio.Event = field(default_factory=asyncio.Event)
+    released: asyncio.Event = field(default_factory=asyncio.Event)
+    waiters: int = 0
+
+
+class Rooms:
+    """The prefill side's rooms: which live request holds (or will hold) each room's KV."""
+
+    def __init__(self) -> None:
+        self._rooms: dict[int, _Room] = {}
+        self._dp_ranks: dict[int, tuple[int, float]] = {}
+
+    def __len__(self) -> int:
+        return sum(1 for r in self._rooms.values() if r.rid is not None)
+
+    def claim(self, room: int, rid: str, prompt: list[int]) -> bool:
+        """A prefill request takes ``room``; False if another live request has it (a collision)."""
+        r = self._rooms.setdefault(room, _Room())
+        if r.rid is not None:
+            return False
+        r.rid, r.fingerprint, r.prompt_tokens = rid, fingerprint(prompt), len(prompt)
+        return True
+
+    def held(self, room: int) -> None:
+        """The room's prefill finished: its KV can be pulled."""
+        r = self._rooms.get(room)
+        if r is not None:
+            r.held.set()
+
+    async def wait_released(self, room: int, still_held: Any, poll_s: float = 0.2) -> bool:
+        """Until the decode side took the KV (True) or the hold ended without it (False)."""
+        r = self._rooms.get(room)
+        if r is None:
+            return False
+        while not r.released.is_set():
+            try:
+                await asyncio.wait_for(r.released.wait(), poll_s)
+            except asyncio.TimeoutError:
+                if not still_held():
+                    return False
+        return True
+
+    def drop(self, room: int) -> None:
+        r = self._rooms.pop(room, None)  # waiters on it see no owner and poll a fresh entry
+        if r is not None:
+            r.rid = None
+
+    def rid_of(self, room: int) -> str | None:
+        r = self._rooms.get(room)
+        return r.rid if r is not None else None
+
+    async def wait_held(self, room: int, wait_s: float) -> _Room | None:
+        r = self._rooms.setdefault(room, _Room())
+        r.waiters += 1
+        try:
+            await asyncio.wait_for(r.held.wait(), wait_s)
+            return r
+        except asyncio.TimeoutError:
+            return None
+        finally:
+            r.waiters -= 1
+            if not r.waiters and r.rid is None and self._rooms.get(room) is r:
+                del self._rooms[room]
+
+    def release(self, room: int) -> bool:
+        r = self._rooms.get(room)
+        if r is None or r.rid is None or not r.held.is_set():
+            return False
+        r.released.set()
+        return True
+
+    def register_dp_rank(self, room: int, dp_rank: int) -> None:
+        self._dp_ranks[room] = (dp_rank, time.monotonic())
+        if len(self._dp_ranks) > 100_000:  # SGLang expires entries after 120 s
+            cutoff = time.monotonic() - 120.0
+            self._dp_ranks = {k: v for k, v in self._dp_ranks.items() if v[1] >= cutoff}
+
+    def dp_ranks(self, rooms: list[int]) -> dict[str, int]:
+        return {str(r): self._dp_ranks[r][0] for r in rooms if r in self._dp_ranks}
+
+
+def _bad(status: int, text: str) -> web.Response:
+    return web.Response(status=status, text=text)
+
+
+def bootstrap_routes(rooms: Rooms, *, page_size: int, host: str, http_port: Any, engine: Any,
+                     release_kv: Any) -> list[web.RouteDef]:
+    """The prefill's bootstrap server. ``http_port`` is called for the engine's HTTP port (known
+    once it listens); ``engine.held_kv(rid)`` tells whether a room's KV is still held;
+    ``release_kv(rid)`` frees it once the decode side has it."""
+
+    def info() -> dict[str, Any]:
+        return {"attn_tp_size": 1, "attn_cp_size": 1, "dp_size": 1, "pp_size": 1, "page_size": page_size,
+                "kv_cache_dtype": "auto", "follow_bootstrap_room": True, "enable_dsa_cache_layer_split": False,
+                "enable_kv_cache_sharding": False, "prefill_http_port": http_port(),
+                "decode_allocation_policy": "early"}
+
+    async def route_get(request: web.Request) -> web.Response:
+        q = request.query
+        keys = ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank")
+        try:
+            vals = [int(q[k]) for k in keys]
+        except (KeyError, ValueError):
+            return _bad(400, "Missing inputs for bootstrap server.")
+        if all(v == -1 for v in vals):
+            return web.json_response(info())
+        if vals != [0, 0, 0, 0]:
+            return _bad(404, f"unknown rank {dict(zip(keys, vals, strict=True))}")
+        return web.json_response({"rank_ip": host, "rank_port": http_port()})
+
+    async def route_put(request: web.Request) -> web.Response:
+        return web.Response(text="OK")  # one simulated rank: registered from the start
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="OK")
+
+    async def register_dp_rank(request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+            rooms.register_dp_rank(int(body["bootstrap_room"]), int(body["dp_rank"]))
+        except (ValueError, KeyError, TypeError):
+            return _bad(400, "expected {\"bootstrap_room\": int, \"dp_rank\": int}")
+        return web.Response(text="OK")
+
+    async def query_dp_ranks(request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+            wanted = [int(r) for r in body["bootstrap_rooms"]]
+        except (ValueError, KeyError, TypeError):
+            return _bad(400, "expected {\"bootstrap_rooms\": [int, ...]}")
+        return web.json_response(rooms.dp_ranks(wanted))
+
+    async def pull(request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+            room, fp, wait_s = int(body["bootstrap_room"]), str(body.get("fingerprint", "")), float(body["wait_s"])
+        except (ValueError, KeyError, TypeError):
+            return _bad(400, "expected {\"bootstrap_room\": int, \"fingerprint\": str, \"wait_s\": float}")
+        r = await rooms.wait_held(room, max(0.0, min(wait_s, 30.0)))
+        if r is None or r.rid is None:
+            return web.json_response({"error": f"room {room} has no KV yet"}, status=404)
+        if fp and r.fingerprint != fp:
+            return web.json_response({"error": f"room {room} holds the KV of another prompt "
+                                               f"({r.prompt_tokens} tokens)"}, status=409)
+        held = engine.held_kv(r.rid)
+        if held is None:
+            return web.json_response({"error": f"the KV of room {room} is gone (expired or aborted)"}, status=410)
+        return web.json_response({"bootstrap_room": room, "num_tokens": held.num_tokens,
+                                  "num_blocks": held.num_blocks, "block_size": held.block_size})
+
+    async def release(request: web.Request) -> web.Response:
+        try:
+            room = int((await request.json())["bootstrap_room"])
+        except (ValueError, KeyError, TypeError):
+            return _bad(400, "expected {\"bootstrap_room\": int}")
+        rid = rooms.rid_of(room)
+        if rid is None or not rooms.release(room):
+            return web.json_response({"error": f"room {room} holds no KV"}, status=404)
+        release_kv(rid)
+        return web.json_response({"released": True, "bootstrap_room": room})
+
+    return [web.get("/route", route_get), web.put("/route", route_put), web.get("/health", health),
+            web.post("/register_dp_rank", register_dp_rank), web.post("/query_dp_ranks", query_dp_ranks),
+            web.post("/kv/pull", pull), web.post("/kv/release", release)]
+
+
+class RoomPuller(KVPuller):
+    """The decode side: finds its room's KV on the prefill's bootstrap server, or times out."""
+
+    def __init__(self, page_size: int, waiting_timeout_s: float, poll_s: float = 5.0):
+        super().__init__(timeout_s=poll_s + 10.0)
+        self.page_size, self.waiting_timeout_s, self.poll_s = page_size, waiting_timeout_s, poll_s
+        self._topology_ok: set[tuple[str, int]] = set()
+        self.waiting = 0  # decode requests waiting for their room (SGLang's prealloc queue)
+
+    async def _check_topology(self, p: RoomParams) -> None:
+        addr = (p.remote_host or "", p.remote_port or 0)
+        if addr in self._topology_ok:
+            return
+        url = self._url(p, "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1")
+        try:
+            async with self._sess().get(url, timeout=aiohttp.ClientTimeout(total=5.0)) as r:
+                body = await r.json(content_type=None) if r.status == 200 else None
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+            raise PullError(502, f"cannot reach the prefill bootstrap server {addr[0]}:{addr[1]}: "
+                                 f"{type(e).__name__}: {e}", "bootstrap_unreachable") from None
+        if not isinstance(body, dict):
+            raise PullError(502, f"the prefill bootstrap server {addr[0]}:{addr[1]} is not ready",
+                            "bootstrap_unreachable")
+        if body.get("page_size") != self.page_size:
+            raise PullError(500, f"the prefill at {addr[0]}:{addr[1]} uses page size {body.get('page_size')} and "
+                                 f"this decode instance {self.page_size}: both servers must use the same "
+                                 f"--page-size value", "bootstrap_mismatch")
+        self._topology_ok.add(addr)
+
+    async def pull(self, p: KVParams) -> dict[str, Any]:
+        assert isinstance(p, RoomParams)
+        await self._check_topology(p)
+        deadline = time.monotonic() + self.waiting_timeout_s
+        last = "the prefill instance never received it"
+        self.waiting += 1
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise PullError(504, f"bootstrap room {p.room}: no KV from the prefill at {p.remote_host}:"
+                                         f"{p.remote_port} within {self.waiting_timeout_s:g} s ({last})",
+                                    "bootstrap_timeout")
+                body = {"bootstrap_room": p.room, "fingerprint": p.fingerprint, "wait_s": min(left, self.poll_s)}
+                try:
+                    async with self._sess().post(self._url(p, "/kv/pull"), json=body) as r:
+                        answer = await r.json(content_type=None)
+                        status = r.status
+                except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+                    raise PullError(502, f"cannot reach the prefill bootstrap server {p.remote_host}:{p.remote_port}:"
+                                         f" {type(e).__name__}: {e}", "bootstrap_unreachable") from None
+                if status == 200 and isinstance(answer, dict):
+                    return answer
+                if status == 409:  # another prompt's KV under our room: a collision; it may yet clear
+                    last = "a room collision: the room holds another prompt's KV"
+                    await asyncio.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+                elif status == 410:
+                    raise PullError(410, f"bootstrap room {p.room}: the prefill's KV is gone (expired or aborted)",
+                                    "kv_transfer_expired")
+                elif status != 404:
+                    raise PullError(502, f"the prefill bootstrap server refused the pull ({status}): {answer}",
+                                    "kv_transfer_failed")
+        finally:
+            self.waiting -= 1
+
+    async def _release(self, p: KVParams) -> None:
+        assert isinstance(p, RoomParams)
+        try:
+            async with self._sess().post(self._url(p, "/kv/release"), json={"bootstrap_room": p.room}) as r:
+                await r.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            pass  # the prefill's hold expires on its own
