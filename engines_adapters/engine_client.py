@@ -20,11 +20,13 @@ def _dumps(obj: Any) -> bytes:
 
 class EngineClient:
     """One engine behind its base URL. All calls are bounded by timeouts; none blocks the loop.
-    ``flavor`` names the engine family (``engines_adapters.drivers.FLAVORS``): its metric names."""
+    ``flavor`` names the engine family (``engines_adapters.drivers.FLAVORS``): its metric names.
+    ``bootstrap_port``: where an SGLang prefill instance's bootstrap server listens."""
 
     def __init__(self, session: aiohttp.ClientSession, engine_id: str, url: str, *, flavor: str = "vllm",
-                 connect_timeout_s: float = 5.0, timeout_s: float = 600.0):
+                 connect_timeout_s: float = 5.0, timeout_s: float = 600.0, bootstrap_port: int | None = None):
         self.session, self.id, self.url, self.flavor = session, engine_id, url.rstrip("/"), flavor
+        self.bootstrap_port = bootstrap_port  # an SGLang prefill's bootstrap server (None: SGLang's 8998)
         self.connect_timeout_s, self.timeout_s = connect_timeout_s, timeout_s
 
     def _timeout(self, streaming: bool) -> aiohttp.ClientTimeout:

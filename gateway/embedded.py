@@ -1,5 +1,6 @@
 """The embedded simulated cluster: `conductor serve` with no configuration starts sim engines
-as child processes on loopback (each with KV events) and routes to them."""
+as child processes on loopback (each with KV events) and routes to them; ``[embedded] engine =
+"sglang"`` starts them as SGLang engines (``--flavor sglang``) driven with SGLang's PD protocol."""
 from __future__ import annotations
 
 import asyncio
@@ -44,7 +45,12 @@ class EmbeddedCluster:
             counters[role] = counters.get(role, 0) + 1
             eid = f"{role}-{counters[role]}"
             port, kv, replay = free_port(), free_port(), free_port()
-            args = [sys.executable, "-m", "gateway.cli", "sim-engine", "--role", role, "--port", str(port),
+            flavor, bootstrap = self.cfg.engine, None
+            extra = ["--flavor", flavor]
+            if flavor == "sglang" and role == "prefill":  # each prefill's bootstrap server on its own port
+                bootstrap = free_port()
+                extra += ["--disaggregation-bootstrap-port", str(bootstrap)]
+            args = [sys.executable, "-m", "gateway.cli", "sim-engine", "--role", role, "--port", str(port), *extra,
                     "--kv-events", f"tcp://127.0.0.1:{kv}", "--kv-events-replay", f"tcp://127.0.0.1:{replay}",
                     "--profile", self.cfg.profile, "--time-scale", str(self.cfg.time_scale),
                     "--seed", str(self.cfg.seed + i), *self.cfg.extra_args]
@@ -52,7 +58,7 @@ class EmbeddedCluster:
             self.engines.append(EngineConfig(id=eid, role=role, url=f"http://127.0.0.1:{port}", kind="sim",
                                              kv_events=f"tcp://127.0.0.1:{kv}",
                                              kv_events_replay=f"tcp://127.0.0.1:{replay}",
-                                             deployment=deployment))
+                                             deployment=deployment, protocol=flavor, bootstrap_port=bootstrap))
         return self.engines
 
     async def wait_ready(self, timeout_s: float = 30.0) -> None:
