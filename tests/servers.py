@@ -48,12 +48,16 @@ def stop(*procs: subprocess.Popen) -> None:
             p.wait()
 
 
+FLAVORS = ("vllm", "sglang")  # the engine families every end-to-end gateway scenario runs against
+
+
 @contextmanager
-def sim_engine(role: str, *extra: str):
-    engine = RestartableEngine(role, *extra)
+def sim_engine(role: str, *extra: str, flavor: str = "vllm"):
+    engine = RestartableEngine(role, *extra, flavor=flavor)
     engine.start()
     try:
-        yield {"url": engine.url, "port": engine.port, "kv": engine.kv, "replay": engine.replay, "proc": engine.proc}
+        yield {"url": engine.url, "port": engine.port, "kv": engine.kv, "replay": engine.replay, "proc": engine.proc,
+               "engine": engine}
     finally:
         engine.stop()
 
@@ -74,9 +78,13 @@ def gateway(config_text: str = "", *, log_dir: str | None = None):
             stop(proc)
 
 
-def engine_entry(eid: str, role: str, url: str, kv: str | None = None, replay: str | None = None) -> list[str]:
+def engine_entry(eid: str, role: str, url: str, kv: str | None = None, replay: str | None = None, *,
+                 protocol: str = "vllm", bootstrap_port: int | None = None) -> list[str]:
     """The ``[[engines]]`` lines of a gateway config naming one sim engine."""
-    lines = ["[[engines]]", f'id = "{eid}"', f'role = "{role}"', 'kind = "sim"', f'url = "{url}"']
+    lines = ["[[engines]]", f'id = "{eid}"', f'role = "{role}"', 'kind = "sim"', f'url = "{url}"',
+             f'protocol = "{protocol}"']
+    if bootstrap_port is not None:
+        lines.append(f"bootstrap_port = {bootstrap_port}")
     if kv:
         lines += [f'kv_events = "{kv}"', f'kv_events_replay = "{replay}"']
     return lines
@@ -86,8 +94,13 @@ class RestartableEngine:
     """A sim engine on fixed loopback ports (HTTP, KV events, replay) that a test can stop and
     start again on the same address, as an engine restart looks to the gateway."""
 
-    def __init__(self, role: str = "both", *extra: str):
-        self.role, self.extra = role, extra
+    def __init__(self, role: str = "both", *extra: str, flavor: str = "vllm"):
+        self.role, self.extra, self.flavor = role, extra, flavor
+        self.bootstrap = free_port() if flavor == "sglang" and role == "prefill" else None
+        if flavor != "vllm":
+            self.extra = ("--flavor", flavor, *extra)
+        if self.bootstrap is not None:
+            self.extra += ("--disaggregation-bootstrap-port", str(self.bootstrap))
         self.port, kv, replay = free_port(), free_port(), free_port()
         self.url, self.kv, self.replay = f"http://127.0.0.1:{self.port}", f"tcp://127.0.0.1:{kv}", f"tcp://127.0.0.1:{replay}"
         self.proc: subprocess.Popen | None = None
@@ -102,5 +115,6 @@ class RestartableEngine:
         if self.proc is not None:
             stop(self.proc)
 
-    def entry(self, eid: str) -> list[str]:
-        return engine_entry(eid, self.role, self.url, self.kv, self.replay)
+    def entry(self, eid: str, events: bool = True) -> list[str]:
+        return engine_entry(eid, self.role, self.url, self.kv if events else None, self.replay,
+                            protocol=self.flavor, bootstrap_port=self.bootstrap)
