@@ -7,6 +7,7 @@ import concurrent.futures
 import hashlib
 import struct
 
+import msgpack
 import msgspec
 import pytest
 import zmq
@@ -42,7 +43,8 @@ def test_the_independent_recipe_matches_sglangs_published_vectors():
 
 
 def replay_all(replay_port: int) -> list[list]:
-    """Every buffered batch from the engine's replay socket, msgpack-decoded as plain values."""
+    """Every buffered batch from the engine's replay socket, decoded as plain values by another
+    msgpack library than the engine's (msgspec)."""
     ctx = zmq.Context.instance()
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
@@ -57,7 +59,7 @@ def replay_all(replay_port: int) -> list[list]:
             if frames[2] == (-1).to_bytes(8, "big", signed=True):
                 return batches
             _, topic, seq, payload = frames
-            batches.append([int.from_bytes(seq, "big"), msgspec.msgpack.decode(payload)])
+            batches.append([int.from_bytes(seq, "big"), msgpack.unpackb(payload)])
     finally:
         dealer.close()
 
