@@ -67,6 +67,17 @@ class EngineClient:
             raise UpstreamUnavailable(f"engine {self.id} unreachable: {e}", self.id) from None
         return resp
 
+    async def get_json(self, url: str, timeout_s: float = 5.0) -> Any:
+        """GET a JSON document from an engine-side URL (e.g. a prefill's bootstrap server);
+        UpstreamUnavailable when it cannot be had."""
+        try:
+            async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                if r.status != 200:
+                    raise UpstreamUnavailable(f"engine {self.id}: {url} answered {r.status}", self.id)
+                return await r.json(content_type=None)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+            raise UpstreamUnavailable(f"engine {self.id}: {url} unreachable: {e}", self.id) from None
+
     async def health(self, timeout_s: float = 2.0) -> bool:
         try:
             async with self.session.get(self.url + "/health", timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:

@@ -15,7 +15,7 @@ KINDS = ("vllm", "sglang", "sim")
 #: The PD protocol (engine flavour, ``engines_adapters.drivers.FLAVORS``) an engine speaks unless
 #: its ``protocol`` says otherwise: the sim engine mirrors vLLM 0.33 by default.
 KIND_PROTOCOLS = {"vllm": "vllm", "sglang": "sglang", "sim": "vllm"}
-EMBEDDED_ENGINES = ("vllm", "sglang")
+EMBEDDED_ENGINES = ("vllm", "sglang", "vllm-mooncake")  # the PD protocol the embedded sim engines speak
 TOKENIZERS = ("builtin", "engine", "hf")
 
 
@@ -51,7 +51,7 @@ class EmbeddedConfig:
     profile: str = "llama3-8b-h200"  # the sim engines' --profile (its public deployment is scheduled on)
     time_scale: float = 1.0
     seed: int = 0
-    engine: str = "vllm"  # which engine family the sim engines speak: vllm or sglang
+    engine: str = "vllm"  # the protocol the sim engines speak: vllm, sglang or vllm-mooncake
     extra_args: list[str] = field(default_factory=list)
 
 

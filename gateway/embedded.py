@@ -28,6 +28,15 @@ def _die_with_parent() -> None:
         pass  # not Linux: stop() still ends the engines on a normal shutdown
 
 
+#: How a sim engine is told to speak each protocol, and where its prefill's bootstrap server listens.
+BOOTSTRAP_FLAGS = {"sglang": "--disaggregation-bootstrap-port", "vllm-mooncake": "--mooncake-bootstrap-port"}
+
+
+def sim_flavor_args(protocol: str) -> list[str]:
+    return {"vllm": ["--flavor", "vllm"], "sglang": ["--flavor", "sglang"],
+            "vllm-mooncake": ["--flavor", "vllm", "--kv-connector", "mooncake"]}[protocol]
+
+
 class EmbeddedCluster:
     def __init__(self, cfg: EmbeddedConfig):
         self.cfg = cfg
@@ -45,11 +54,11 @@ class EmbeddedCluster:
             counters[role] = counters.get(role, 0) + 1
             eid = f"{role}-{counters[role]}"
             port, kv, replay = free_port(), free_port(), free_port()
-            flavor, bootstrap = self.cfg.engine, None
-            extra = ["--flavor", flavor]
-            if flavor == "sglang" and role == "prefill":  # each prefill's bootstrap server on its own port
+            protocol, bootstrap = self.cfg.engine, None
+            extra = sim_flavor_args(protocol)
+            if protocol != "vllm" and role == "prefill":  # each prefill's bootstrap server on its own port
                 bootstrap = free_port()
-                extra += ["--disaggregation-bootstrap-port", str(bootstrap)]
+                extra += [BOOTSTRAP_FLAGS[protocol], str(bootstrap)]
             args = [sys.executable, "-m", "gateway.cli", "sim-engine", "--role", role, "--port", str(port), *extra,
                     "--kv-events", f"tcp://127.0.0.1:{kv}", "--kv-events-replay", f"tcp://127.0.0.1:{replay}",
                     "--profile", self.cfg.profile, "--time-scale", str(self.cfg.time_scale),
@@ -58,7 +67,7 @@ class EmbeddedCluster:
             self.engines.append(EngineConfig(id=eid, role=role, url=f"http://127.0.0.1:{port}", kind="sim",
                                              kv_events=f"tcp://127.0.0.1:{kv}",
                                              kv_events_replay=f"tcp://127.0.0.1:{replay}",
-                                             deployment=deployment, protocol=flavor, bootstrap_port=bootstrap))
+                                             deployment=deployment, protocol=protocol, bootstrap_port=bootstrap))
         return self.engines
 
     async def wait_ready(self, timeout_s: float = 30.0) -> None:

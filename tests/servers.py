@@ -48,7 +48,8 @@ def stop(*procs: subprocess.Popen) -> None:
             p.wait()
 
 
-FLAVORS = ("vllm", "sglang")  # the engine families every end-to-end gateway scenario runs against
+#: the PD protocols every end-to-end gateway scenario runs against
+FLAVORS = ("vllm", "sglang", "vllm-mooncake")
 
 
 @contextmanager
@@ -95,12 +96,13 @@ class RestartableEngine:
     start again on the same address, as an engine restart looks to the gateway."""
 
     def __init__(self, role: str = "both", *extra: str, flavor: str = "vllm"):
-        self.role, self.extra, self.flavor = role, extra, flavor
-        self.bootstrap = free_port() if flavor == "sglang" and role == "prefill" else None
-        if flavor != "vllm":
-            self.extra = ("--flavor", flavor, *extra)
+        from gateway.embedded import BOOTSTRAP_FLAGS, sim_flavor_args
+
+        self.role, self.flavor = role, flavor
+        self.bootstrap = free_port() if flavor != "vllm" and role == "prefill" else None
+        self.extra = (*sim_flavor_args(flavor), *extra)
         if self.bootstrap is not None:
-            self.extra += ("--disaggregation-bootstrap-port", str(self.bootstrap))
+            self.extra += (BOOTSTRAP_FLAGS[flavor], str(self.bootstrap))
         self.port, kv, replay = free_port(), free_port(), free_port()
         self.url, self.kv, self.replay = f"http://127.0.0.1:{self.port}", f"tcp://127.0.0.1:{kv}", f"tcp://127.0.0.1:{replay}"
         self.proc: subprocess.Popen | None = None

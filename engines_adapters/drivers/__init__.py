@@ -26,6 +26,7 @@ from engines_adapters.drivers.base import (
 )
 from engines_adapters.drivers.sglang import SGLangDriver, parse_sglang_metrics
 from engines_adapters.drivers.vllm import VLLMTwoStepDriver, parse_vllm_metrics
+from engines_adapters.drivers.vllm_mooncake import VLLMMooncakeDriver
 from engines_adapters.kv_wire import Event, decode_batch
 from engines_adapters.sglang_wire import decode_batch as decode_sglang_batch
 
@@ -46,6 +47,8 @@ class Flavor:
 FLAVORS: dict[str, Flavor] = {
     "vllm": Flavor("vllm", VLLMTwoStepDriver(), parse_vllm_metrics, decode_batch),
     "sglang": Flavor("sglang", SGLangDriver(), parse_sglang_metrics, decode_sglang_batch),
+    # vLLM's own MooncakeConnector: same engine surface, metrics and events as vllm, another PD protocol
+    "vllm-mooncake": Flavor("vllm-mooncake", VLLMMooncakeDriver(), parse_vllm_metrics, decode_batch),
 }
 
 

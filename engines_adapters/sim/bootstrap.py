@@ -32,6 +32,8 @@ from aiohttp import web
 from .pd import KVParams, KVPuller, PullError
 
 MAX_ROOM = 2**63 - 1
+#: A handover's name: SGLang's bootstrap room (int) or vLLM's Mooncake transfer id (str).
+Key = int | str
 
 
 def fingerprint(prompt: list[int]) -> str:
@@ -43,9 +45,15 @@ def fingerprint(prompt: list[int]) -> str:
 class RoomParams(KVParams):
     """A decode request's handover: where the bootstrap server is and which room to take."""
 
-    room: int = 0
+    room: Key = 0
     prompt_tokens: int = 0
     fingerprint: str = ""
+    key_field: str = "bootstrap_room"  # how the bootstrap server's /kv routes name the handover
+    remote_engine_id: str | None = None  # vLLM's MooncakeConnector: the prefill engine the router named
+
+    @property
+    def label(self) -> str:
+        return f"bootstrap room {self.room}" if self.key_field == "bootstrap_room" else f"transfer id {self.room!r}"
 
 
 @dataclass
@@ -68,7 +76,7 @@ class Rooms:
     def __len__(self) -> int:
         return sum(1 for r in self._rooms.values() if r.rid is not None)
 
-    def claim(self, room: int, rid: str, prompt: list[int]) -> bool:
+    def claim(self, room: Key, rid: str, prompt: list[int]) -> bool:
         """A prefill request takes ``room``; False if another live request has it (a collision)."""
         r = self._rooms.setdefault(room, _Room())
         if r.rid is not None:
@@ -76,13 +84,18 @@ class Rooms:
         r.rid, r.fingerprint, r.prompt_tokens = rid, fingerprint(prompt), len(prompt)
         return True
 
-    def held(self, room: int) -> None:
+    def held(self, room: Key) -> None:
         """The room's prefill finished: its KV can be pulled."""
         r = self._rooms.get(room)
         if r is not None:
             r.held.set()
 
-    async def wait_released(self, room: int, still_held: Any, poll_s: float = 0.2) -> bool:
+    def sweep(self, still_held: Any) -> None:
+        """Forget held rooms whose KV is gone (expired or aborted) without a decode taking it."""
+        for k in [k for k, r in self._rooms.items() if r.held.is_set() and r.rid and not still_held(r.rid)]:
+            self.drop(k)
+
+    async def wait_released(self, room: Key, still_held: Any, poll_s: float = 0.2) -> bool:
         """Until the decode side took the KV (True) or the hold ended without it (False)."""
         r = self._rooms.get(room)
         if r is None:
@@ -95,16 +108,18 @@ class Rooms:
                     return False
         return True
 
-    def drop(self, room: int) -> None:
-        r = self._rooms.pop(room, None)  # waiters on it see no owner and poll a fresh entry
-        if r is not None:
+    def drop(self, room: Key, rid: str | None = None) -> None:
+        """Forget a room (only if ``rid`` still owns it, when given)."""
+        r = self._rooms.get(room)
+        if r is not None and (rid is None or r.rid == rid):
+            del self._rooms[room]  # waiters on it see no owner and poll a fresh entry
             r.rid = None
 
-    def rid_of(self, room: int) -> str | None:
+    def rid_of(self, room: Key) -> str | None:
         r = self._rooms.get(room)
         return r.rid if r is not None else None
 
-    async def wait_held(self, room: int, wait_s: float) -> _Room | None:
+    async def wait_held(self, room: Key, wait_s: float) -> _Room | None:
         r = self._rooms.setdefault(room, _Room())
         r.waiters += 1
         try:
@@ -117,14 +132,14 @@ class Rooms:
             if not r.waiters and r.rid is None and self._rooms.get(room) is r:
                 del self._rooms[room]
 
-    def release(self, room: int) -> bool:
+    def release(self, room: Key) -> bool:
         r = self._rooms.get(room)
         if r is None or r.rid is None or not r.held.is_set():
             return False
         r.released.set()
         return True
 
-    def register_dp_rank(self, room: int, dp_rank: int) -> None:
+    def register_dp_rank(self, room: Key, dp_rank: int) -> None:
         self._dp_ranks[room] = (dp_rank, time.monotonic())
         if len(self._dp_ranks) > 100_000:  # SGLang expires entries after 120 s
             cutoff = time.monotonic() - 120.0
@@ -185,12 +200,60 @@ def bootstrap_routes(rooms: Rooms, *, page_size: int, host: str, http_port: Any,
             return _bad(400, "expected {\"bootstrap_rooms\": [int, ...]}")
         return web.json_response(rooms.dp_ranks(wanted))
 
+    return [web.get("/route", route_get), web.put("/route", route_put), web.get("/health", health),
+            web.post("/register_dp_rank", register_dp_rank), web.post("/query_dp_ranks", query_dp_ranks),
+            *kv_routes(rooms, engine, release_kv)]
+
+
+def mooncake_routes(rooms: Rooms, *, engine_id: str, worker_addr: str, engine: Any,
+                    release_kv: Any) -> list[web.RouteDef]:
+    """vLLM 0.33 MooncakeConnector's bootstrap server on a prefill instance (``POST /register``,
+    ``GET /query``), one simulated rank (dp 0, tp 0, pp 0), plus the /kv handover routes."""
+    ranks: dict[str, dict[str, Any]] = {"0": {"engine_id": engine_id, "worker_addr": {"0": {"0": worker_addr}}}}
+
+    async def register(request: web.Request) -> web.Response:
+        try:
+            b = await request.json()
+            dp, tp, pp, eid, addr = str(int(b["dp_rank"])), str(int(b["tp_rank"])), str(int(b["pp_rank"])), \
+                str(b["engine_id"]), str(b["addr"])
+        except (ValueError, KeyError, TypeError):
+            return web.json_response({"detail": "expected engine_id, dp_rank, tp_rank, pp_rank, addr"}, status=400)
+        entry = ranks.setdefault(dp, {"engine_id": eid, "worker_addr": {}})
+        if entry["engine_id"] != eid:
+            return web.json_response({"detail": f"dp rank {dp} belongs to engine {entry['engine_id']}"}, status=400)
+        known = entry["worker_addr"].setdefault(tp, {})
+        if known.get(pp, addr) != addr:
+            return web.json_response({"detail": f"rank tp{tp}/pp{pp} registered at {known[pp]}"}, status=400)
+        known[pp] = addr
+        return web.json_response({"status": "ok"})
+
+    async def query(request: web.Request) -> web.Response:
+        return web.json_response(ranks)
+
+    return [web.post("/register", register), web.get("/query", query), *kv_routes(rooms, engine, release_kv)]
+
+
+def _key(body: Any) -> Key:
+    """The handover a /kv request names: ``bootstrap_room`` (int) or ``transfer_id`` (str)."""
+    if "bootstrap_room" in body:
+        return int(body["bootstrap_room"])
+    key = body["transfer_id"]
+    if not isinstance(key, str) or not key:
+        raise ValueError("transfer_id must be a non-empty string")
+    return key
+
+
+def kv_routes(rooms: Rooms, engine: Any, release_kv: Any) -> list[web.RouteDef]:
+    """The stand-in for the transfer engine's handshake: the decode side's long poll for a
+    handover's KV (``POST /kv/pull``) and its release once the KV arrived (``POST /kv/release``)."""
+
     async def pull(request: web.Request) -> web.Response:
         try:
             body = await request.json()
-            room, fp, wait_s = int(body["bootstrap_room"]), str(body.get("fingerprint", "")), float(body["wait_s"])
+            room, fp, wait_s = _key(body), str(body.get("fingerprint", "")), float(body["wait_s"])
         except (ValueError, KeyError, TypeError):
-            return _bad(400, "expected {\"bootstrap_room\": int, \"fingerprint\": str, \"wait_s\": float}")
+            return _bad(400, "expected {\"bootstrap_room\": int | \"transfer_id\": str, \"fingerprint\": str, "
+                             "\"wait_s\": float}")
         r = await rooms.wait_held(room, max(0.0, min(wait_s, 30.0)))
         if r is None or r.rid is None:
             return web.json_response({"error": f"room {room} has no KV yet"}, status=404)
@@ -200,27 +263,26 @@ def bootstrap_routes(rooms: Rooms, *, page_size: int, host: str, http_port: Any,
         held = engine.held_kv(r.rid)
         if held is None:
             return web.json_response({"error": f"the KV of room {room} is gone (expired or aborted)"}, status=410)
-        return web.json_response({"bootstrap_room": room, "num_tokens": held.num_tokens,
+        return web.json_response({"handover": room, "num_tokens": held.num_tokens,
                                   "num_blocks": held.num_blocks, "block_size": held.block_size})
 
     async def release(request: web.Request) -> web.Response:
         try:
-            room = int((await request.json())["bootstrap_room"])
+            room = _key(await request.json())
         except (ValueError, KeyError, TypeError):
-            return _bad(400, "expected {\"bootstrap_room\": int}")
+            return _bad(400, "expected {\"bootstrap_room\": int} or {\"transfer_id\": str}")
         rid = rooms.rid_of(room)
         if rid is None or not rooms.release(room):
             return web.json_response({"error": f"room {room} holds no KV"}, status=404)
         release_kv(rid)
-        return web.json_response({"released": True, "bootstrap_room": room})
+        rooms.drop(room, rid)
+        return web.json_response({"released": True, "handover": room})
 
-    return [web.get("/route", route_get), web.put("/route", route_put), web.get("/health", health),
-            web.post("/register_dp_rank", register_dp_rank), web.post("/query_dp_ranks", query_dp_ranks),
-            web.post("/kv/pull", pull), web.post("/kv/release", release)]
+    return [web.post("/kv/pull", pull), web.post("/kv/release", release)]
 
 
 class RoomPuller(KVPuller):
-    """The decode side: finds its room's KV on the prefill's bootstrap server, or times out."""
+    """The decode side (SGLang): finds its room's KV on the prefill's bootstrap server, or times out."""
 
     def __init__(self, page_size: int, waiting_timeout_s: float, poll_s: float = 5.0):
         super().__init__(timeout_s=poll_s + 10.0)
@@ -258,10 +320,10 @@ class RoomPuller(KVPuller):
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise PullError(504, f"bootstrap room {p.room}: no KV from the prefill at {p.remote_host}:"
+                    raise PullError(504, f"{p.label}: no KV from the prefill at {p.remote_host}:"
                                          f"{p.remote_port} within {self.waiting_timeout_s:g} s ({last})",
                                     "bootstrap_timeout")
-                body = {"bootstrap_room": p.room, "fingerprint": p.fingerprint, "wait_s": min(left, self.poll_s)}
+                body = {p.key_field: p.room, "fingerprint": p.fingerprint, "wait_s": min(left, self.poll_s)}
                 try:
                     async with self._sess().post(self._url(p, "/kv/pull"), json=body) as r:
                         answer = await r.json(content_type=None)
@@ -275,7 +337,7 @@ class RoomPuller(KVPuller):
                     last = "a room collision: the room holds another prompt's KV"
                     await asyncio.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
                 elif status == 410:
-                    raise PullError(410, f"bootstrap room {p.room}: the prefill's KV is gone (expired or aborted)",
+                    raise PullError(410, f"{p.label}: the prefill's KV is gone (expired or aborted)",
                                     "kv_transfer_expired")
                 elif status != 404:
                     raise PullError(502, f"the prefill bootstrap server refused the pull ({status}): {answer}",
@@ -286,7 +348,34 @@ class RoomPuller(KVPuller):
     async def _release(self, p: KVParams) -> None:
         assert isinstance(p, RoomParams)
         try:
-            async with self._sess().post(self._url(p, "/kv/release"), json={"bootstrap_room": p.room}) as r:
+            async with self._sess().post(self._url(p, "/kv/release"), json={p.key_field: p.room}) as r:
                 await r.read()
         except (aiohttp.ClientError, asyncio.TimeoutError):
             pass  # the prefill's hold expires on its own
+
+
+class MooncakePuller(RoomPuller):
+    """The decode side of vLLM's MooncakeConnector: the prefill's bootstrap server must know the
+    ``remote_engine_id`` the router named (``GET /query``), then the transfer id's KV is awaited."""
+
+    def __init__(self, waiting_timeout_s: float, poll_s: float = 5.0):
+        super().__init__(0, waiting_timeout_s, poll_s)
+        self._engines: dict[tuple[str, int], set[str]] = {}
+
+    async def _check_topology(self, p: RoomParams) -> None:
+        addr = (p.remote_host or "", p.remote_port or 0)
+        if addr not in self._engines:
+            try:
+                async with self._sess().get(self._url(p, "/query"), timeout=aiohttp.ClientTimeout(total=5.0)) as r:
+                    body = await r.json(content_type=None) if r.status == 200 else None
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+                raise PullError(502, f"cannot reach the prefill bootstrap server {addr[0]}:{addr[1]}: "
+                                     f"{type(e).__name__}: {e}", "bootstrap_unreachable") from None
+            if not isinstance(body, dict):
+                raise PullError(502, f"the prefill bootstrap server {addr[0]}:{addr[1]} is not ready",
+                                "bootstrap_unreachable")
+            self._engines[addr] = {str(v.get("engine_id")) for v in body.values() if isinstance(v, dict)}
+        if p.remote_engine_id not in self._engines[addr]:
+            self._engines.pop(addr, None)  # it may have restarted with a new id: ask again next time
+            raise PullError(400, f"remote_engine_id {p.remote_engine_id!r} is not served by the bootstrap server "
+                                 f"{addr[0]}:{addr[1]}", "kv_transfer_failed")

@@ -12,6 +12,7 @@ import asyncio
 import ipaddress
 import json
 import logging
+import os
 import signal
 import sys
 import uuid
@@ -31,10 +32,11 @@ from predictors.cli_args import (
 from .. import sglang_wire
 from ..kv_wire import encode_batch
 from .api import OpenAIApi, ServerInfo
-from .bootstrap import RoomPuller, Rooms, bootstrap_routes
+from .bootstrap import MooncakePuller, RoomPuller, Rooms, bootstrap_routes, mooncake_routes
 from .driver import EngineDriver
 from .metrics import EngineMetrics
 from .model import ROLES, EngineModel
+from .mooncake_api import MooncakeApi
 from .pd import KVPuller
 from .profiles import load_profile, profile_names
 from .publisher import KVEventPublisher, check_endpoint, loopback_bind_address
@@ -61,6 +63,15 @@ def build_parser() -> Parser:
                    help="sglang prefill: the bootstrap server's port (0 = pick a free one)")
     p.add_argument("--disaggregation-waiting-timeout", type=positive_float, default=300.0,
                    help="sglang decode: wall seconds to wait for the prefill's KV of a bootstrap room")
+    p.add_argument("--kv-connector", choices=["two-step", "mooncake"], default="two-step",
+                   help="vllm PD: the two-step kv_transfer_params round trip, or vLLM 0.33's MooncakeConnector "
+                        "(transfer ids, a bootstrap server on the prefill)")
+    p.add_argument("--mooncake-bootstrap-port", type=port,
+                   default=int(os.environ.get("VLLM_MOONCAKE_BOOTSTRAP_PORT", "8998")),
+                   help="--kv-connector mooncake prefill: the bootstrap server's port (default "
+                        "$VLLM_MOONCAKE_BOOTSTRAP_PORT or 8998; 0 = pick a free one)")
+    p.add_argument("--kv-transfer-timeout", type=positive_float, default=60.0,
+                   help="--kv-connector mooncake decode: wall seconds to wait for a transfer id's KV")
     p.add_argument("--profile", default="llama3-8b-h200", help=f"timing profile: {', '.join(profile_names())}")
     p.add_argument("--served-model-name", help="model name to answer to (default: the profile's short name)")
     p.add_argument("--time-scale", type=positive_float, default=1.0,
@@ -96,6 +107,8 @@ def _check(args: argparse.Namespace) -> None:
         raise CLIError("--role is required (prefill, decode or both)")
     if args.kv_events_config is not None:
         _kv_events_config(args)
+    if args.kv_connector == "mooncake" and args.flavor != "vllm":
+        raise CLIError("--kv-connector mooncake is vLLM's connector: use it with --flavor vllm")
     try:
         if not (args.host == "localhost" or ipaddress.ip_address(args.host).is_loopback):
             raise CLIError(f"--host {args.host}: the simulated engine binds only to loopback addresses")
@@ -173,6 +186,18 @@ async def _serve(args: argparse.Namespace, engine: EngineModel, publisher: KVEve
             bport = await _listen(boot, args.host, args.disaggregation_bootstrap_port, runners, "bootstrap server")
             api.bootstrap_port = bport  # type: ignore[attr-defined]
             extra = f" bootstrap_port={bport}"
+    elif args.kv_connector == "mooncake":
+        metrics = EngineMetrics(engine, name)
+        driver = EngineDriver(engine, time_scale=args.time_scale, metrics=metrics, publisher=publisher)
+        rooms = Rooms()
+        puller = MooncakePuller(args.kv_transfer_timeout) if args.role == "decode" else KVPuller()
+        api = MooncakeApi(info, driver, metrics, puller, rooms=rooms)
+        if args.role == "prefill":
+            boot = web.Application()
+            boot.add_routes(mooncake_routes(rooms, engine_id=info.engine_id, worker_addr=f"tcp://{args.host}:0",
+                                            engine=engine, release_kv=driver.release_kv))
+            bport = await _listen(boot, args.host, args.mooncake_bootstrap_port, runners, "bootstrap server")
+            extra = f" bootstrap_port={bport} engine_id={info.engine_id}"
     else:
         metrics = EngineMetrics(engine, name)
         driver = EngineDriver(engine, time_scale=args.time_scale, metrics=metrics, publisher=publisher)

@@ -192,8 +192,10 @@ class SGLangApi(OpenAIApi):
             return _native_error(409, msg, echo) if g.native else error_response(409, msg, "bootstrap_room", echo)
         try:
             return await super()._run(request, g, echo, rid)
-        finally:
-            self.rooms.drop(kv.room)
+        finally:  # the prefill request has ended, however: its KV goes (a decode took it, or nobody will)
+            if self.driver.engine.held_kv(rid) is not None:
+                self.driver.release_kv(rid)
+            self.rooms.drop(kv.room, rid)
 
     async def _before_end(self, g: _Gen, rid: str) -> str | None:
         kv = g.kv
