@@ -3,12 +3,13 @@
 Starts two `both` sim engines (``--topology pd``: two prefill/decode pairs) and a gateway in front
 of them (all on loopback), then runs rounds that alternate direct and gateway traffic at the same
 concurrency, so machine noise hits both. "Direct" to a PD pair is the bare protocol run from this
-process with the project's own driver (vLLM's two-step, or SGLang's dual dispatch with a
-bootstrap room): what any router must do, without the gateway's hop, tokenizing and scheduling.
+process with the project's own driver (vLLM's two-step, SGLang's dual dispatch with a bootstrap
+room, or vLLM's MooncakeConnector with a transfer id): what any router must do, without the
+gateway's hop, tokenizing and scheduling.
 Prints one JSON line per engine family: added TTFT p50/p99 at low load (one stream at a time)
 and the ratio of streamed tokens per second at high load (default 32 concurrent 64-token streams).
 
-    .venv/bin/python bench/gateway_overhead.py [--topology both|pd] [--flavor vllm|sglang|all]
+    .venv/bin/python bench/gateway_overhead.py [--topology both|pd] [--flavor vllm|sglang|vllm-mooncake|all]
         [--concurrency 32] [--tokens 64] [--rounds 3]
 """
 from __future__ import annotations
@@ -99,7 +100,9 @@ def pct(xs: list[float], q: float) -> float:
 
 def engines(a, flavor: str) -> tuple[list[list[str]], list[str], list]:
     """(sim-engine argument lists, gateway config [[engines]] blocks, direct targets)."""
-    common = ["--time-scale", str(a.time_scale), "--flavor", flavor]
+    from gateway.embedded import BOOTSTRAP_FLAGS, sim_flavor_args
+
+    common = ["--time-scale", str(a.time_scale), *sim_flavor_args(flavor)]
     args, entries, direct = [], [], []
     for i in range(2):
         if a.topology == "both":
@@ -110,8 +113,9 @@ def engines(a, flavor: str) -> tuple[list[list[str]], list[str], list]:
             direct.append(f"http://127.0.0.1:{p}")
             continue
         pp, dp, boot = free_port(), free_port(), free_port()
-        args.append(["sim-engine", "--role", "prefill", "--port", str(pp), "--disaggregation-bootstrap-port",
-                     str(boot), *common])
+        args.append(["sim-engine", "--role", "prefill", "--port", str(pp), *common])
+        if flavor != "vllm":
+            args[-1] += [BOOTSTRAP_FLAGS[flavor], str(boot)]
         args.append(["sim-engine", "--role", "decode", "--port", str(dp), *common])
         entries.append(f'[[engines]]\nid = "p{i}"\nrole = "prefill"\nkind = "sim"\nprotocol = "{flavor}"\n'
                        f'bootstrap_port = {boot}\nurl = "http://127.0.0.1:{pp}"\n')
@@ -183,10 +187,10 @@ def main() -> None:
     ap.add_argument("--time-scale", type=float, default=1.0)
     ap.add_argument("--topology", choices=["both", "pd"], default="both",
                     help="two colocated engines, or two prefill/decode pairs")
-    ap.add_argument("--flavor", choices=["vllm", "sglang", "all"], default="vllm",
+    ap.add_argument("--flavor", choices=["vllm", "sglang", "vllm-mooncake", "all"], default="vllm",
                     help="engine family (all: one line per family, measured one after the other)")
     a = ap.parse_args()
-    for flavor in (["vllm", "sglang"] if a.flavor == "all" else [a.flavor]):
+    for flavor in (["vllm", "sglang", "vllm-mooncake"] if a.flavor == "all" else [a.flavor]):
         print(json.dumps(asyncio.run(main_async(a, flavor))), flush=True)
 
 
