@@ -26,7 +26,7 @@ from .api import ApiError, OpenAIApi, ServerInfo, _bool_field, _Gen, _json_respo
 from .bootstrap import MAX_ROOM, RoomParams, Rooms, fingerprint
 from .driver import EngineDriver, RequestStream
 from .model import SimRequest
-from .pd import KVParams, KVPuller
+from .pd import KVParams, KVPuller, _is_loopback
 
 _json = msgspec.json.Encoder()
 VERSION = "0.5.23"
@@ -170,8 +170,6 @@ class SGLangApi(OpenAIApi):
             port = self.bootstrap_port  # SGLang: the receiving server's own --disaggregation-bootstrap-port
         if not isinstance(host, str) or not host:
             raise ApiError(400, "bootstrap_host must be the prefill instance's host", "bootstrap_host")
-        from .pd import _is_loopback
-
         if not _is_loopback(host):
             raise ApiError(400, f"bootstrap_host {host!r} is not a loopback address", "bootstrap_host")
         if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
