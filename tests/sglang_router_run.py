@@ -45,6 +45,21 @@ def wait_ok(url: str, timeout_s: float = 60.0) -> None:
     raise RuntimeError(f"{url} not ready after {timeout_s} s")
 
 
+def wait_models(base: str, timeout_s: float = 60.0) -> dict:
+    """The router's model list once it has admitted its workers (its /health answers before)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            r = requests.get(base + "/v1/models", timeout=5)
+            if r.status_code == 200 and r.json().get("data"):
+                return r.json()
+        except (requests.RequestException, ValueError):
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the router listed no model within {timeout_s} s")
+        time.sleep(0.2)
+
+
 def stream_chat(base: str, text: str, max_tokens: int) -> dict:
     body = {"model": "llama3-8b", "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
@@ -82,7 +97,7 @@ def main(mode: str) -> dict:
              *workers], stdout=log, stderr=subprocess.STDOUT))
         base = f"http://127.0.0.1:{port}"
         wait_ok(base + "/health")
-        out: dict = {"mode": mode, "models": requests.get(base + "/v1/models", timeout=10).json()}
+        out: dict = {"mode": mode, "models": wait_models(base)}
         out["chats"] = [stream_chat(base, f"question {i}: " + "tell me more " * (10 + i), 8) for i in range(4)]
         r = requests.post(base + "/generate", json={"text": "native generate", "sampling_params": {
             "max_new_tokens": 5, "ignore_eos": True}}, timeout=60)
