@@ -95,11 +95,16 @@ class EngineClient:
             return None
 
     async def models(self, timeout_s: float = 2.0) -> list[str]:
+        return [m["id"] for m in await self.model_cards(timeout_s)]
+
+    async def model_cards(self, timeout_s: float = 2.0) -> list[dict[str, Any]]:
+        """``/v1/models`` entries with an ``id`` (vLLM lists LoRA adapters there too, each with a
+        ``parent``: the base model it applies to)."""
         try:
             async with self.session.get(self.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
                 data = await r.json()
-            return [m["id"] for m in data.get("data", [])]
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError):
+            return [m for m in data.get("data", []) if isinstance(m, dict) and isinstance(m.get("id"), str)]
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError, AttributeError):
             return []
 
     async def tokenize(self, payload: dict[str, Any]) -> list[int]:

@@ -14,13 +14,22 @@ import logging
 import struct
 import time
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 from urllib.parse import urlsplit
 
 import zmq
 import zmq.asyncio
 
-from engines_adapters.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, Event, decode_batch, publisher_binds
+from engines_adapters.kv_wire import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    decode_batch,
+    int_hash,
+    int_hashes,
+    publisher_binds,
+)
 
 log = logging.getLogger(__name__)
 _END_SEQ = -1
@@ -30,22 +39,38 @@ class HitIndexSink(Protocol):
     """What the subscriber feeds: the scheduler's hit index has exactly these methods."""
 
     def block_stored(self, instance_id: str, block_hashes: list[int], parent_block_hash: int | None,
-                     token_ids: list[int], block_size: int, medium: str | None = "GPU") -> bool: ...
-    def block_removed(self, instance_id: str, block_hashes: list[int], medium: str | None = "GPU") -> bool: ...
+                     token_ids: list[int], block_size: int, medium: str | None = "GPU", *,
+                     extra_keys: list[Any] | None = None, lora_name: str | None = None,
+                     group_idx: int | None = None) -> bool: ...
+    def block_removed(self, instance_id: str, block_hashes: list[int], medium: str | None = "GPU", *,
+                      group_idx: int | None = None) -> bool: ...
     def all_cleared(self, instance_id: str) -> None: ...
     def drop_instance(self, instance_id: str) -> None: ...
 
 
 def apply_events(sink: HitIndexSink, instance_id: str, events: list) -> int:
-    """Apply one batch of decoded KV events to the hit index; returns how many it ignored.
-    The live subscriber and the virtual-time simulator both feed the index through here."""
+    """Apply one batch of decoded KV events to the hit index; returns how many it ignored (a run
+    of removals counts once). The live subscriber and the virtual-time simulator both feed the
+    index through here. vLLM sends one BlockRemoved per evicted block: consecutive ones of the
+    same medium and group go to the index in one call (the same result, a fraction of the calls)."""
     ignored = 0
-    for ev in events:
+    i, n = 0, len(events)
+    while i < n:
+        ev = events[i]
+        i += 1
         if isinstance(ev, BlockStored):
-            ok = sink.block_stored(instance_id, list(ev.block_hashes), ev.parent_block_hash, list(ev.token_ids),
-                                   ev.block_size, ev.medium)
+            parent = ev.parent_block_hash
+            ok = sink.block_stored(instance_id, int_hashes(ev.block_hashes),
+                                   int_hash(parent) if parent is not None else None, list(ev.token_ids),
+                                   ev.block_size, ev.medium, extra_keys=ev.extra_keys, lora_name=ev.lora_name,
+                                   group_idx=ev.group_idx)
         elif isinstance(ev, BlockRemoved):
-            ok = sink.block_removed(instance_id, list(ev.block_hashes), ev.medium)
+            hashes = int_hashes(ev.block_hashes)
+            medium, group = ev.medium, ev.group_idx
+            while i < n and type(nxt := events[i]) is BlockRemoved and nxt.medium == medium and nxt.group_idx == group:
+                hashes += int_hashes(nxt.block_hashes)
+                i += 1
+            ok = sink.block_removed(instance_id, hashes, medium, group_idx=group)
         elif isinstance(ev, AllBlocksCleared):
             sink.all_cleared(instance_id)
             ok = True
@@ -206,12 +231,14 @@ class KVEventSubscriber:
             for _ in range(1_000_000):  # bounded: an engine buffers far fewer batches
                 async with asyncio.timeout(self.replay_timeout_s):
                     frames = await dealer.recv_multipart()
-                if len(frames) != 4 or len(frames[2]) != 8:
+                # vLLM 0.33 answers [b"", topic, seq, payload]; <= 0.25 sent no topic: [b"", seq, payload]
+                if len(frames) not in (3, 4) or len(frames[-2]) != 8:
                     self.stats.ignored += 1
                     continue
-                if struct.unpack(">q", frames[2])[0] == _END_SEQ:
+                seq_frame, payload = frames[-2], frames[-1]
+                if struct.unpack(">q", seq_frame)[0] == _END_SEQ:
                     return out
-                out.append((struct.unpack(">Q", frames[2])[0], frames[3]))
+                out.append((struct.unpack(">Q", seq_frame)[0], payload))
         except asyncio.TimeoutError:
             log.warning("kv events %s: replay from %d timed out", self.instance_id, start)
         finally:

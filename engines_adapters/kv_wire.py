@@ -3,7 +3,11 @@
 A ZMQ message is three frames ``[topic, seq (u64 big-endian), payload]``; the payload is a msgpack
 array ``[ts, [event, ...], data_parallel_rank]``. Events are msgpack maps tagged by ``"type"``
 (the class name); fields equal to their default are omitted. ``lora_id``, ``medium`` and
-``lora_name`` have no default in vLLM 0.33, so they are always sent (``null`` when unset).
+``lora_name`` have no default in vLLM 0.33, so they are always sent (``null`` when unset);
+``extra_keys`` (one entry per block: the keys its hash folded in, e.g. LoRA name and cache salt)
+and ``group_idx`` (the KV-cache group; hybrid models have several) are sent when not null.
+Block hashes are u64 ints, or the raw digests (``bytes``) with
+``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``: :func:`int_hash` maps those onto the int form.
 
 Older vLLM sent each event as a positional array (``["BlockStored", block_hashes, ...]``) and a
 newer one may send the batch itself as a map; :func:`decode_batch` accepts all three shapes so
@@ -49,11 +53,15 @@ class BlockStored(KVCacheEvent):
     medium: str | None
     lora_name: str | None
     extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
 
 
 class BlockRemoved(KVCacheEvent):
     block_hashes: list[BlockHash]
     medium: str | None
+    group_idx: int | None = None
 
 
 class AllBlocksCleared(KVCacheEvent):
@@ -122,6 +130,19 @@ def decode_batch(payload: bytes) -> tuple[float, list[Event], int | None]:
     if not isinstance(ts, (int, float)) or not isinstance(events, list):
         raise KVWireError("event batch needs a numeric ts and a list of events")
     return float(ts), [_event(e) for e in events], dp
+
+
+def int_hash(h: BlockHash) -> int:
+    """A block hash in vLLM's int form: bytes digests (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``)
+    become what vLLM would have sent as an int, their low 64 bits read big-endian."""
+    return int.from_bytes(h[-8:], "big") if isinstance(h, bytes) else h
+
+
+def int_hashes(hashes: list[BlockHash]) -> list[int]:
+    """``int_hash`` over an event's list (a copy; int lists cost one type check)."""
+    if hashes and type(hashes[0]) is bytes:
+        return [int_hash(h) for h in hashes]
+    return list(hashes)  # type: ignore[arg-type]  # ints, or junk the index refuses
 
 
 def seq_bytes(seq: int) -> bytes:

@@ -127,9 +127,14 @@ def to_sglang(ev: kv_wire.Event) -> Event:
 
 
 def _salt_of(ev: kv_wire.BlockStored) -> str | None:
-    for k in ev.extra_keys or ():
-        if isinstance(k, (list, tuple)) and len(k) == 2 and k[0] == "cache_salt":
-            return str(k[1])
+    """The request's salt from normalised per-block ``extra_keys`` (vLLM's untagged form: the LoRA
+    name, then the salt; or tagged ``("cache_salt", salt)``)."""
+    for entry in ev.extra_keys or ():
+        for k in entry or ():
+            if isinstance(k, (list, tuple)) and len(k) == 2 and k[0] == "cache_salt":
+                return str(k[1])
+            if isinstance(k, str) and k != ev.lora_name:
+                return k
     return None
 
 
@@ -148,7 +153,11 @@ def decode_batch(payload: bytes) -> tuple[float, list[kv_wire.Event], int | None
     out: list[kv_wire.Event] = []
     for e in b.events:
         if isinstance(e, BlockStored):
-            extra = [["cache_salt", e.cache_salt]] if e.cache_salt is not None else None
+            # the salt in vLLM's per-block form, where the gateway's index reads a chain's namespace:
+            # on the first block of a chain's root event (later blocks chain from it)
+            extra = None
+            if e.cache_salt and e.parent_block_hash is None:
+                extra = [[e.cache_salt]] + [None] * (len(e.block_hashes) - 1)
             out.append(kv_wire.BlockStored(list(e.block_hashes), e.parent_block_hash, e.token_ids, e.block_size,
                                            e.lora_id, e.medium, e.lora_name, extra))  # type: ignore[arg-type]
         elif isinstance(e, BlockRemoved):

@@ -44,6 +44,7 @@ class Cluster:
         self.healthy: dict[str, bool] = {e.id: False for e in engines}
         self.failures: dict[str, int] = {e.id: 0 for e in engines}
         self.models: list[str] = []
+        self.adapters: set[str] = set()  # LoRA adapters the engines list (a /v1/models entry with a parent)
         self._zmq = zmq.asyncio.Context()
         self._tasks: list[asyncio.Task] = []
         self._sub_tasks: dict[str, asyncio.Task] = {}
@@ -112,12 +113,15 @@ class Cluster:
         ids = list(self.clients)
         results = await asyncio.gather(*(self._poll(i) for i in ids))
         models: set[str] = set()
-        for ms in results:
-            models.update(ms)
+        adapters: set[str] = set()
+        for cards in results:
+            models.update(m["id"] for m in cards)
+            adapters.update(m["id"] for m in cards if m.get("parent") and m.get("parent") != m["id"])
         if models:
             self.models = sorted(models)
+            self.adapters = adapters
 
-    async def _poll(self, eid: str) -> list[str]:
+    async def _poll(self, eid: str) -> list[dict]:
         client = self.clients[eid]
         ok = await client.health()
         if ok:
@@ -134,7 +138,7 @@ class Cluster:
                 self.scheduler.observe_load(eid, running=load.running, waiting=load.waiting, kv_usage=load.kv_usage)
                 if load.kv_capacity_tokens and self.engines[eid].kv_capacity_tokens is None:
                     self.scheduler.set_capacity(eid, kv_capacity_tokens=load.kv_capacity_tokens)  # the engine's own
-            return await client.models()
+            return await client.model_cards()
         self.failures[eid] += 1
         if self.healthy[eid] and self.failures[eid] >= self.cfg.eject_after_failures:
             log.warning("instance %s failed %d health checks: ejected", eid, self.failures[eid])

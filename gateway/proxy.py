@@ -27,12 +27,12 @@ from gateway.cluster import Cluster
 from gateway.config import GatewayConfig
 from gateway.errors import RequestError, error_response
 from gateway.observability import GatewayMetrics, RequestSpans, TelemetryWriter
-from gateway.requests import ParsedRequest, parse_body, slo_override
+from gateway.requests import ParsedRequest, cache_salt, parse_body, slo_override
 from gateway.streaming import StreamTally, UpstreamStream
 from gateway.tokenizers import PromptTokenizer
 from predictors.telemetry import RequestRecord
 from scheduler import Rejection, RequestFacts
-from scheduler.hashing import block_hashes
+from scheduler.hashing import block_hashes, namespace_parent
 from scheduler.lifecycle import RequestLifecycle
 
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
@@ -105,6 +105,7 @@ class Proxy:
                     raise RequestError(404, f"model {req.model!r} does not exist; served: {served}",
                                        "model_not_found", "model")
                 slo = slo_override(request.headers)
+                salt = cache_salt(req)
                 tokens = await self.tokenizer.tokens(req)
             except RequestError as e:
                 lc.finish("error", e.status, error=e.code)
@@ -113,7 +114,10 @@ class Proxy:
                 lc.finish("aborted", 499)
                 return Response(status_code=499)
             rec.prompt_tokens, rec.max_tokens = len(tokens), req.max_tokens
-            facts = RequestFacts(rec.request_id, len(tokens), block_hashes(tokens, self.cfg.block_size),
+            # a salt or a LoRA adapter is a namespace of the engines' prefix caches: hash within it
+            lora = req.model if req.model in self.cluster.adapters else None
+            root = namespace_parent(salt, lora) if salt or lora else None
+            facts = RequestFacts(rec.request_id, len(tokens), block_hashes(tokens, self.cfg.block_size, root),
                                  req.max_tokens, slo)
             try:
                 return await self._watching(request, self._place_and_drive(req, facts, guard))

@@ -57,6 +57,16 @@ def parse_body(raw: bytes, endpoint: str, default_max_tokens: int) -> ParsedRequ
     return ParsedRequest(body, endpoint, model, stream, max_tokens)
 
 
+def cache_salt(req: ParsedRequest) -> str | None:
+    """The request's ``cache_salt`` (vLLM's per-request prefix-cache namespace: only requests with
+    the same salt share cached blocks), checked as vLLM checks it. It stays in the body, so the
+    engines get it too; the gateway folds it into its own block hashes (``namespace_parent``)."""
+    salt = req.body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise RequestError(400, "'cache_salt' must be a non-empty string if provided", "invalid_field", "cache_salt")
+    return salt
+
+
 def builtin_tokens(req: ParsedRequest, tokenizer: ByteTokenizer) -> list[int]:
     try:
         if req.endpoint == "chat":

@@ -24,8 +24,15 @@ Decisions of this module (documented in docs/scheduler.md):
 * each instance holds at most ``max_blocks`` blocks over all tiers; a BlockStored that would
   exceed it is refused (False, counted in ``overflows``): memory stays bounded even when removal
   events are lost, at the price of under-reporting hits until a rebuild;
-* LoRA / cache-salt variants of the same tokens collapse onto one index entry (the events'
-  token ids are all we hash); removing one variant removes the hit, which errs towards a miss.
+* a chain's namespace (the request's ``cache_salt`` and LoRA adapter, read from the event's
+  ``extra_keys`` and ``lora_name``) is folded into its root with
+  :func:`scheduler.hashing.namespace_parent`, exactly as the gateway hashes a request: two tenants'
+  copies of the same tokens are two entries, and a salted request never matches an unsalted one;
+  blocks with extra keys the gateway cannot know (multimodal ids) get keys no text request has;
+* ``group_idx`` (hybrid models: one KV-cache group per attention type): an instance holds a block
+  while any of its groups does; a removal in one group leaves the others' copy indexed. Group
+  bookkeeping starts the first time an instance names a group other than 0 (single-group engines
+  pay nothing).
 """
 from __future__ import annotations
 
@@ -34,9 +41,10 @@ from bisect import bisect_right
 from dataclasses import dataclass, field
 from itertools import accumulate, repeat
 from operator import and_, neg, or_
+from typing import Any
 
 from predictors.types import TIERS, Tier
-from scheduler.hashing import block_hashes as index_block_hashes
+from scheduler.hashing import block_hashes as index_block_hashes, event_chain_keys, keyed_block_hashes
 
 # tier slots in the index: positions in TIERS (device, host, store)
 _DEV, _HOST, _STORE = (TIERS.index(t) for t in (Tier.DEVICE, Tier.HOST, Tier.STORE))
@@ -48,6 +56,7 @@ MEDIUM_TIERS = {"GPU": _DEV, "CPU": _HOST, "CPU_PINNED": _HOST, "DISK": _STORE, 
 #: Default bound on blocks per instance (all tiers) when the caller gives none.
 DEFAULT_MAX_BLOCKS = 1 << 20
 
+_MAX_GROUPS = 64  # KV-cache groups an event may name (hybrid models have a handful)
 _INT_BYTES = sys.getsizeof(1 << 63)  # a 64-bit hash as a Python int
 _FIRST_CHUNK = 16  # blocks looked up before the first check that anyone still matches
 
@@ -96,6 +105,7 @@ class HitIndex:
         self._engine: dict[str, dict[int, int]] = {}  # instance -> engine hash -> index hash
         self._counts: dict[str, list[int]] = {}  # instance -> blocks per tier
         self._cap: dict[str, int] = {}
+        self._groups: dict[str, dict[tuple[int, int], int]] = {}  # instance -> (tier, engine hash) -> group mask
         self._multi = 0  # entries held by two or more instances (their masks are distinct int objects)
         self.overflows = 0  # BlockStored events refused by the per-instance bound
 
@@ -135,6 +145,7 @@ class HitIndex:
         self._all &= ~self._bits[slot]
         self._free.append(slot)
         del self._engine[instance_id], self._counts[instance_id], self._cap[instance_id]
+        self._groups.pop(instance_id, None)
         return True
 
     def __contains__(self, instance_id: str) -> bool:
@@ -145,8 +156,27 @@ class HitIndex:
 
     # --- KV events ----------------------------------------------------------------------
     def block_stored(self, instance_id: str, block_hashes: list[int], parent_block_hash: int | None,
-                     token_ids: list[int], block_size: int, medium: str | None = "GPU") -> bool:
+                     token_ids: list[int], block_size: int, medium: str | None = "GPU", *,
+                     extra_keys: list[Any] | None = None, lora_name: str | None = None,
+                     group_idx: int | None = None) -> bool:
         """Record blocks an instance stored; False when ignored (see the module's rules)."""
+        if group_idx is not None and not 0 <= group_idx < _MAX_GROUPS:
+            return False
+        groups = self._groups.get(instance_id) if self._groups and isinstance(instance_id, str) else None
+        if groups is None and group_idx and self._slot_of(instance_id) is not None:
+            groups = self._track_groups(instance_id)
+        ok = self._stored(instance_id, block_hashes, parent_block_hash, token_ids, block_size, medium,
+                          extra_keys, lora_name)
+        tier = tier_of(medium)
+        if ok and groups is not None and tier is not None:
+            bit = 1 << (group_idx or 0)
+            for eh in block_hashes:
+                groups[(tier, eh)] = groups.get((tier, eh), 0) | bit
+        return ok
+
+    def _stored(self, instance_id: str, block_hashes: list[int], parent_block_hash: int | None,
+                token_ids: list[int], block_size: int, medium: str | None, extra_keys: list[Any] | None,
+                lora_name: str | None) -> bool:
         slot = self._slot_of(instance_id)
         tier = tier_of(medium)
         if slot is None or tier is None or block_size != self.block_size:
@@ -168,7 +198,13 @@ class HitIndex:
                     parent = emap.get(parent_block_hash)
                     if parent is None:
                         return False
-                ours = index_block_hashes(token_ids, block_size, parent=parent)
+                keys = None
+                if lora_name or (extra_keys and any(extra_keys)):  # a namespaced chain (salt, adapter)
+                    root, keys = event_chain_keys(extra_keys, n, lora_name, parent_block_hash is None)
+                    if parent_block_hash is None:
+                        parent = root
+                ours = (index_block_hashes(token_ids, block_size, parent=parent) if keys is None
+                        else keyed_block_hashes(token_ids, block_size, parent, keys))
         except (TypeError, ValueError, OverflowError):
             return False
         counts = self._counts[instance_id]
@@ -214,12 +250,30 @@ class HitIndex:
                 counts[tier] += 1
         return True
 
-    def block_removed(self, instance_id: str, block_hashes: list[int], medium: str | None = "GPU") -> bool:
+    def block_removed(self, instance_id: str, block_hashes: list[int], medium: str | None = "GPU", *,
+                      group_idx: int | None = None) -> bool:
         """Record blocks an instance evicted from one tier; False if ignored or partly unknown."""
         slot = self._slot_of(instance_id)
         tier = tier_of(medium)
-        if slot is None or tier is None:
+        if slot is None or tier is None or (group_idx is not None and not 0 <= group_idx < _MAX_GROUPS):
             return False
+        groups = self._groups.get(instance_id) if self._groups else None
+        if groups is not None:  # a block leaves the index only when its last group drops it
+            bit = 1 << (group_idx or 0)
+            gone = []
+            try:
+                for eh in block_hashes:
+                    mask = groups.get((tier, eh))
+                    if mask is None:
+                        gone.append(eh)  # unknown: the removal below reports it
+                    elif mask & ~bit:
+                        groups[(tier, eh)] = mask & ~bit
+                    else:
+                        del groups[(tier, eh)]
+                        gone.append(eh)
+            except TypeError:  # unhashable ids
+                return False
+            block_hashes = gone
         emap = self._engine[instance_id]
         bit = self._bits[slot]
         bits = self._bits
@@ -284,6 +338,23 @@ class HitIndex:
                 counts[tier] -= 1
         if not any(self._tiers[t].get(h, 0) & bit for t in (_DEV, _HOST, _STORE)):
             self._engine[instance_id].pop(engine_hash, None)
+        groups = self._groups.get(instance_id)
+        if groups:
+            for tier in tiers:
+                groups.pop((tier, engine_hash), None)
+        return held
+
+    def _track_groups(self, instance_id: str) -> dict[tuple[int, int], int]:
+        """Start per-group bookkeeping for an instance: what it holds so far is group 0's."""
+        bit = self._bits[self._slot[instance_id]]
+        held: dict[tuple[int, int], int] = {}
+        if self.trust_event_hashes:
+            for tier, table in enumerate(self._tiers):
+                held.update(((tier, h), 1) for h, m in table.items() if m & bit)
+        else:
+            for eh, h in self._engine[instance_id].items():
+                held.update(((tier, eh), 1) for tier, table in enumerate(self._tiers) if table.get(h, 0) & bit)
+        self._groups[instance_id] = held
         return held
 
     def _clear(self, instance_id: str, tiers: tuple[int, ...]) -> None:
@@ -294,6 +365,9 @@ class HitIndex:
         keep: dict[int, int] = {}
         counts = self._counts[instance_id]
         cleared = set(tiers)
+        groups = self._groups.get(instance_id)
+        if groups:
+            self._groups[instance_id] = {k: m for k, m in groups.items() if k[0] not in cleared}
         if self.trust_event_hashes:  # no mapping: walk the tiers (a rare event)
             for tier in tiers:
                 table = self._tiers[tier]
@@ -398,6 +472,8 @@ class HitIndex:
         total += self._multi * _INT_BYTES  # masks of several holders (single ones are interned)
         for emap in self._engine.values():
             total += sys.getsizeof(emap) + len(emap) * _INT_BYTES  # engine-hash keys; values are the keys above
+        for groups in self._groups.values():  # hybrid-model instances: a (tier, hash) tuple and a mask each
+            total += sys.getsizeof(groups) + len(groups) * (sys.getsizeof((0, 0)) + _INT_BYTES)
         return total
 
 

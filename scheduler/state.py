@@ -7,7 +7,7 @@ implementation of the same protocol, with no policy touched.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from predictors.base import DecodeState, PrefillState
 
@@ -29,8 +29,11 @@ class PrefixIndex(Protocol):
 
     # KV events (the subscriber's side)
     def block_stored(self, instance_id: str, block_hashes: list[int], parent_block_hash: int | None,
-                     token_ids: list[int], block_size: int, medium: str | None = "GPU") -> bool: ...
-    def block_removed(self, instance_id: str, block_hashes: list[int], medium: str | None = "GPU") -> bool: ...
+                     token_ids: list[int], block_size: int, medium: str | None = "GPU", *,
+                     extra_keys: list[Any] | None = None, lora_name: str | None = None,
+                     group_idx: int | None = None) -> bool: ...
+    def block_removed(self, instance_id: str, block_hashes: list[int], medium: str | None = "GPU", *,
+                      group_idx: int | None = None) -> bool: ...
     def all_cleared(self, instance_id: str) -> None: ...
     def drop_instance(self, instance_id: str) -> None: ...
 

@@ -31,3 +31,19 @@ def test_stop_outlasts_a_lost_cancellation():
 
     asyncio.run(main())
     assert lost == [True] and cluster._tasks == []
+
+
+def test_lora_adapters_are_learned_from_the_engines_model_lists():
+    """vLLM lists each LoRA adapter in /v1/models with its base model as ``parent``: a request naming
+    one is hashed in that adapter's namespace (gateway/proxy.py), as the engine hashes its blocks."""
+    engines = [EngineConfig(id="e0", role="both", url="http://127.0.0.1:9")]
+    cluster = Cluster(GatewayConfig(embedded=None, engines=engines), engines)
+
+    async def cards(eid):
+        return [{"id": "base", "parent": None, "root": "/models/base"},
+                {"id": "sql-lora", "parent": "base", "root": "/adapters/sql"}]
+
+    cluster._poll = cards
+    cluster.clients = {"e0": None}  # polled by id; the stub above answers for it
+    asyncio.run(cluster.poll_once())
+    assert cluster.models == ["base", "sql-lora"] and cluster.adapters == {"sql-lora"}

@@ -377,3 +377,58 @@ def test_the_gateway_learns_each_engines_kv_capacity_from_its_metrics(gw):
         url = urls[eid]
         assert deployment == "llama3-8b-h200"
         assert cap == parse_metrics(gw["flavor"], requests.get(url + "/metrics").text).kv_capacity_tokens
+
+
+def test_cache_salt_tenants_never_see_each_others_hits(gw):
+    """Issue 14: the same prompt under another salt (or none) gets zero predicted and zero served
+    hits; the same salt gets both. The salt reaches the engines in the forwarded body."""
+    c = client(gw)
+    prompt = "".join(random.Random(11).choice("klmnopqrst ") for _ in range(4000))
+
+    def ask(salt):
+        extra = {"cache_salt": salt} if salt is not None else None
+        r = c.completions.with_raw_response.create(model=gw["model"], prompt=prompt, max_tokens=2, extra_body=extra)
+        return (r.headers["x-conductor-prefill"], int(r.headers["x-conductor-hit-tokens"]),
+                int(r.headers["x-conductor-prefill-cached-tokens"]))
+
+    holder, predicted, served = ask("tenant-a")
+    assert predicted == 0 and served < 100
+    for _ in range(100):  # the holder's KV events reach the index asynchronously
+        inst = {i["id"]: i for i in requests.get(gw["url"] + "/admin/cluster").json()["instances"]}
+        if inst[holder]["cached_blocks"]["device"] >= 4000 // 16:
+            break
+        threading.Event().wait(0.05)
+    for other in ("tenant-b", None):
+        _, predicted, served = ask(other)
+        assert (predicted, served) == (0, 0), other
+    again, predicted, served = ask("tenant-a")
+    assert again == holder and predicted >= 4000 - 32 and served >= 4000 - 32
+    bad = requests.post(gw["url"] + "/v1/completions",
+                        json={"model": gw["model"], "prompt": "x", "cache_salt": ""})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_salt"
+
+
+@pytest.mark.parametrize("algo", ["xxhash_cbor", "sha256"])
+def test_engine_sending_bytes_block_hashes_fills_the_index(algo, monkeypatch):
+    """Issue 13: an engine started with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0 names blocks by their
+    raw digests (16 bytes with xxhash_cbor): the gateway's index fills and predicts the hit."""
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0")
+    engine = RestartableEngine("both", "--prefix-caching-hash-algo", algo)
+    engine.start()
+    monkeypatch.delenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES")
+    try:
+        with gateway("\n".join(["health_interval_s = 0.2", *engine.entry("b")]) + "\n") as g:
+            model = requests.get(g["url"] + "/v1/models").json()["data"][0]["id"]
+            body = {"model": model, "prompt": "q" * 2000, "max_tokens": 2}
+            assert requests.post(g["url"] + "/v1/completions", json=body, timeout=30).status_code == 200
+            for _ in range(200):
+                inst = requests.get(g["url"] + "/admin/cluster").json()["instances"][0]
+                if inst["cached_blocks"]["device"] >= 2000 // 16 - 1:
+                    break
+                threading.Event().wait(0.05)
+            assert inst["kv_events"]["ignored"] == 0, inst["kv_events"]
+            r = requests.post(g["url"] + "/v1/completions", json=body, timeout=30)
+            assert int(r.headers["x-conductor-hit-tokens"]) >= 2000 - 32
+            assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 2000 - 32  # colocated: its own
+    finally:
+        engine.stop()

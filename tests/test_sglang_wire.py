@@ -24,7 +24,7 @@ def test_a_salt_changes_every_page_id():
 
 def test_encoding_is_sglangs_and_decodes_to_the_normalised_events():
     events = [kv_wire.BlockStored([-3488128144981237669, 5674439469042975057], None, list(range(1, 9)), 4, None,
-                                  "GPU", None, [["cache_salt", "t"]]),
+                                  "GPU", None, [["t"], None]),
               kv_wire.BlockRemoved([5674439469042975057], "CPU_PINNED"), kv_wire.AllBlocksCleared()]
     payload = sglang_wire.encode_batch(1700000000.0, events, 0)
     ts, raw, dp = msgpack.unpackb(payload)

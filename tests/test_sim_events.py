@@ -86,7 +86,9 @@ def test_block_stored_matches_tokenize_and_vllm_hashes(setup):
     ev = stored(new)
     full = len(tokens) // BS
     assert set(ev[0]) == {"type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
-                          "medium", "lora_name"}
+                          "medium", "lora_name", "extra_keys", "group_idx"}
+    # as vLLM's BlockPool: one extra-keys entry per block (none for an unsalted base-model request), group 0
+    assert all(e["extra_keys"] == [None] * len(e["block_hashes"]) and e["group_idx"] == 0 for e in ev)
     assert [h for e in ev for h in e["block_hashes"]] == vllm_block_hashes(tokens, BS, seed_text=HASH_SEED)
     assert [t for e in ev for t in e["token_ids"]] == tokens[: full * BS]
     assert all(e["block_size"] == BS and e["lora_id"] is None and e["lora_name"] is None for e in ev)
@@ -131,6 +133,8 @@ def test_eviction_offloads_to_host_tier_and_reload(setup):
                what="the first document's blocks to leave the GPU")
     ev = [e for _, _, p in sub.messages[n0:] for e in msgpack.unpackb(p)[1]]
     assert set(hashes) <= {h for e in stored(ev, "CPU") for h in e["block_hashes"]}
+    removed = [e for e in ev if e["type"] == "BlockRemoved"]
+    assert removed and all(len(e["block_hashes"]) == 1 and e["group_idx"] == 0 for e in removed)  # one per hash
     n1 = len(sub.messages)
     _, headers, body = engine.post("/v1/completions", {"prompt": first, "max_tokens": 1})
     n = body["usage"]["prompt_tokens"]
@@ -176,3 +180,32 @@ def test_reset_prefix_cache_publishes_all_blocks_cleared(setup):
                            for e in msgpack.unpackb(p)[1]), what="AllBlocksCleared")
     _, _, body = engine.post("/v1/completions", {"prompt": text, "max_tokens": 1})
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_cache_salt_namespaces_hits_and_events(setup):
+    """Issue 14: the same prompt under two salts is two cache entries (vLLM's cache_salt): only the
+    same salt hits, and the events carry the salt in the first block's extra keys, hashed as vLLM."""
+    engine, sub, _ = setup
+    prompt = "A tenant's system prompt that another tenant must never see hit. " * 3
+    tokens = engine.post("/tokenize", {"prompt": prompt})[2]["tokens"]
+    full = (len(tokens) - 1) // BS * BS
+
+    def cached(**extra):
+        status, _, body = engine.post("/v1/completions", {"prompt": prompt, "max_tokens": 1, **extra})
+        assert status == 200
+        return body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    n0 = len(sub.drain())
+    assert cached(cache_salt="tenant-a") == 0
+    assert cached(cache_salt="tenant-b") == 0 and cached() == 0  # another tenant, or none: no hit
+    assert cached(cache_salt="tenant-a") == full  # the same tenant hits
+    wait_until(lambda: len(stored([e for _, _, p in sub.drain()[n0:] for e in msgpack.unpackb(p)[1]])) >= 3,
+               what="BlockStored for the three namespaces")
+    ev = stored([e for _, _, p in sub.messages[n0:] for e in msgpack.unpackb(p)[1]])
+    roots = {e["block_hashes"][0]: e for e in ev if e["parent_block_hash"] is None}
+    salted_a = vllm_block_hashes(tokens, BS, seed_text=HASH_SEED, cache_salt="tenant-a")
+    assert salted_a[0] in roots and roots[salted_a[0]]["extra_keys"][:2] == [["tenant-a"], None]
+    assert vllm_block_hashes(tokens, BS, seed_text=HASH_SEED, cache_salt="tenant-b")[0] in roots
+    for bad in ("", 7):
+        status, _, body = engine.post("/v1/completions", {"prompt": prompt, "max_tokens": 1, "cache_salt": bad})
+        assert status == 400 and "cache_salt" in body["error"]["message"]

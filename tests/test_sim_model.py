@@ -368,3 +368,69 @@ def test_step_duration_is_exactly_the_sum_of_its_operator_terms():
             assert t.duration(tok, seqs, ctx, kv) == (t._overhead + t.linear(tok, seqs)
                                                       + ctx * t._attn_flops_per_ctx / t._attn_rate
                                                       + kv * t._kv_bytes / t._kv_rate + t.allreduce(tok))
+
+
+@pytest.mark.parametrize("event_hashes", ["vllm", "index"])
+def test_cache_salt_and_adapter_namespace_the_prefix_cache(event_hashes):
+    """Issue 14: salts and LoRA adapters are separate prefix-cache namespaces (vLLM's extra keys);
+    the events say which, and feed the gateway's hit index so it predicts exactly those hits."""
+    from engines_adapters.kv_events import apply_events
+    from scheduler.hashing import block_hashes, namespace_parent, vllm_block_hashes
+    from scheduler.hit_index import HitIndex
+
+    e = EngineModel(PROFILE, noise=0, kv_events=True, event_hashes=event_hashes)
+    index = HitIndex(BS, trust_event_hashes=event_hashes == "index")
+    index.register("e")
+    p = prompt(20 * BS + 3)
+    full = 20 * BS
+    now, served, events = 0.0, {}, []
+    for rid, salt, lora in [("a1", "a", None), ("b", "b", None), ("plain", None, None), ("a2", "a", None),
+                            ("l1", None, "sql"), ("l2", None, "sql"), ("la", "a", "sql"), ("la2", "a", "sql")]:
+        predicted = index.match(block_hashes(p, BS, parent=namespace_parent(salt, lora))).device.get("e", 0)
+        e.add_request(SimRequest(rid, p, 1, output_len=1, cache_salt=salt, lora_name=lora), now)
+        f, res, now = drain(e, now)
+        served[rid] = (predicted * BS, f[rid].cached_tokens)
+        new = [ev for r in res for ev in r.events]
+        events += new
+        apply_events(index, "e", new)
+    assert served == {"a1": (0, 0), "b": (0, 0), "plain": (0, 0), "a2": (full, full),
+                      "l1": (0, 0), "l2": (full, full), "la": (0, 0), "la2": (full, full)}
+    roots = [ev for ev in events if isinstance(ev, BlockStored) and ev.parent_block_hash is None]
+    la = roots[-1]
+    assert la.lora_name == "sql" and la.lora_id and la.group_idx == 0
+    assert la.extra_keys[:2] == [("sql", "a"), ("sql",)]
+    if event_hashes == "vllm":
+        assert la.block_hashes == vllm_block_hashes(p, BS, lora_name="sql", cache_salt="a")
+
+
+@pytest.mark.parametrize("algo", ["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"])
+@pytest.mark.parametrize("int_ids", [True, False])
+def test_event_ids_follow_the_prefix_caching_hash_algo(algo, int_ids, monkeypatch):
+    """--prefix-caching-hash-algo and VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES, as vLLM: ids by the
+    algorithm's recipe, as u64 ints or as the raw digests (32 bytes, or 16 for xxhash)."""
+    from scheduler.hashing import vllm_block_digests, vllm_block_hashes
+
+    monkeypatch.setenv("PYTHONHASHSEED", "")  # set but empty: a seed all the same, as in vLLM
+    e = EngineModel(PROFILE, noise=0, kv_events=True, hash_algo=algo, int_block_hashes=int_ids)
+    p = prompt(5 * BS + 1)
+    e.add_request(SimRequest("a", p, 1, output_len=1), 0.0)
+    _, res, _ = drain(e)
+    ids = [h for r in res for ev in r.events if isinstance(ev, BlockStored) for h in ev.block_hashes]
+    want = vllm_block_hashes(p, BS, algo=algo, seed_text="") if int_ids else vllm_block_digests(p, BS, algo=algo)
+    assert ids == want and len(ids) == 5
+    assert int_ids or len(ids[0]) == (16 if algo.startswith("xxhash") else 32)
+
+
+def test_xxhash_without_pythonhashseed_draws_a_private_seed_as_vllm(monkeypatch):
+    from scheduler.hashing import vllm_block_hashes
+
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    ids = []
+    for _ in range(2):
+        e = EngineModel(PROFILE, noise=0, kv_events=True, hash_algo="xxhash")
+        e.add_request(SimRequest("a", prompt(2 * BS), 1, output_len=1), 0.0)
+        _, res, _ = drain(e)
+        ids.append([h for r in res for ev in r.events if isinstance(ev, BlockStored) for h in ev.block_hashes])
+    assert ids[0] != ids[1] and ids[0] != vllm_block_hashes(prompt(2 * BS), BS, algo="xxhash", seed_text="")
+    with pytest.raises(ValueError, match="unknown prefix-caching hash algo"):
+        EngineModel(PROFILE, kv_events=True, hash_algo="md5")

@@ -74,6 +74,7 @@ class _Gen:
     stream: bool
     include_usage: bool
     kv: KVParams | None
+    cache_salt: str | None = None
     native: bool = False  # SGLang's /generate (its own response shape)
 
 
@@ -289,7 +290,10 @@ class OpenAIApi:
                                "kv_transfer_params")
             if kv.do_remote_decode:
                 max_tokens = 1
-        return _Gen(chat, prompt, max_tokens, _bool_field(body, "ignore_eos"), stream, include_usage, kv)
+        salt = body.get("cache_salt")
+        if salt is not None and (not isinstance(salt, str) or not salt):  # vLLM's own check and message
+            raise ApiError(400, "Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
+        return _Gen(chat, prompt, max_tokens, _bool_field(body, "ignore_eos"), stream, include_usage, kv, salt)
 
     def _kv_params(self, body: dict, prompt: list[int]) -> KVParams | None:
         """The request's PD role (vLLM: ``kv_transfer_params``); a flavour overrides this."""
@@ -339,7 +343,7 @@ class OpenAIApi:
                 return error_response(409, f"the prefill instance holds KV for {meta.get('num_tokens')} tokens but "
                                            f"this prompt has {len(g.prompt)}", "kv_transfer_params", echo)
         req = SimRequest(rid, g.prompt, g.max_tokens, output_len=g.max_tokens if g.ignore_eos else None,
-                         hold_kv=bool(g.kv and g.kv.do_remote_decode), remote_kv=remote)
+                         hold_kv=bool(g.kv and g.kv.do_remote_decode), remote_kv=remote, cache_salt=g.cache_salt)
         try:
             st = self.driver.submit(req)
         except ValueError as e:

@@ -27,6 +27,7 @@ stores.
 """
 from __future__ import annotations
 
+import zlib
 from collections import OrderedDict
 from collections.abc import Iterator
 
@@ -34,24 +35,37 @@ from ..kv_wire import MEDIUM_CPU, MEDIUM_GPU, AllBlocksCleared, BlockRemoved, Bl
 
 
 class Block:
-    """Event metadata of one cached block: ``vh``/``vdigest``: vLLM ids; parent id, tokens."""
+    """Event metadata of one cached block: ``vh``/``vdigest``: vLLM ids; parent id, tokens, and
+    the extra keys and adapter its hash folded in (repeated when the block is offloaded)."""
 
-    __slots__ = ("vh", "vdigest", "parent_vh", "tokens")
+    __slots__ = ("vh", "vdigest", "parent_vh", "tokens", "keys", "lora")
 
-    def __init__(self, vh: int, vdigest: bytes | None, parent_vh: int | None, tokens: tuple[int, ...] | None):
+    def __init__(self, vh: int, vdigest: bytes | None, parent_vh: int | None, tokens: tuple[int, ...] | None,
+                 keys: tuple[str, ...] | None = None, lora: str | None = None):
         self.vh = vh
         self.vdigest = vdigest
         self.parent_vh = parent_vh
         self.tokens = tokens
+        self.keys = keys
+        self.lora = lora
+
+
+def lora_int_id(lora_name: str | None) -> int | None:
+    """The ``lora_id`` an event carries: vLLM numbers adapters as it loads them (1, 2, ...), an
+    order the sim does not have; a stable positive id from the name stands in (the index reads
+    ``lora_name``, as vLLM's docs ask, not this deprecated field)."""
+    return None if lora_name is None else 1 + zlib.crc32(lora_name.encode("utf-8", "surrogatepass")) % (2**31 - 1)
 
 
 class KVCache:
     slack = 4096  # consumed / stale LRU entries tolerated before the list is trimmed
 
     def __init__(self, capacity_blocks: int, block_size: int, host_blocks: int = 0, events: bool = False,
-                 meta: bool = True):
+                 meta: bool = True, merge_removals: bool = False):
         """``meta``: keep a ``Block`` per cached block (events on; needed for vLLM ids or a host
-        tier). Without it, events name a block by its hash."""
+        tier). Without it, events name a block by its hash. ``merge_removals``: consecutive
+        removals in one BlockRemoved (the in-process simulator, whose events never reach a wire:
+        a tenth of the objects); otherwise one per block, as vLLM sends them."""
         if capacity_blocks <= 0:
             raise ValueError(f"KV capacity must be at least one block, got {capacity_blocks}")
         self.capacity = capacity_blocks
@@ -68,6 +82,7 @@ class KVCache:
         self.meta: dict[int, Block] | None = {} if events and meta else None
         self.evictions = 0
         self.offloads = 0
+        self.merge_removals = merge_removals
         self.host_medium = MEDIUM_CPU  # the host tier's name in events (SGLang: CPU_PINNED)
 
     # --- capacity ---------------------------------------------------------------------------
@@ -137,23 +152,30 @@ class KVCache:
         host[h] = m
         self.offloads += 1
         if self.events is not None:
+            lora = m.lora if m is not None else None
             self.events.append(BlockStored(block_hashes=[m.vh if m is not None else h],
                                            parent_block_hash=m.parent_vh if m is not None else None,
                                            token_ids=list((m.tokens if m is not None else None) or ()),
-                                           block_size=self.block_size, lora_id=None, medium=self.host_medium,
-                                           lora_name=None))
+                                           block_size=self.block_size, lora_id=lora_int_id(lora),
+                                           medium=self.host_medium, lora_name=lora,
+                                           extra_keys=[m.keys if m is not None else None], group_idx=0))
         if len(host) > self.host_capacity:
             old_h, old = host.popitem(last=False)
             if self.events is not None:
                 self._removed([old.vh if old is not None else old_h], self.host_medium)
 
     def _removed(self, vhs: list[int], medium: str) -> None:
+        """One BlockRemoved per block, as vLLM's BlockPool sends them (group 0: one KV-cache group)."""
         ev = self.events
+        assert ev is not None
+        if not self.merge_removals:
+            ev.extend([BlockRemoved(block_hashes=[vh], medium=medium, group_idx=0) for vh in vhs])
+            return
         last = ev[-1] if ev else None
         if type(last) is BlockRemoved and last.medium == medium:
             last.block_hashes.extend(vhs)
         else:
-            ev.append(BlockRemoved(block_hashes=list(vhs), medium=medium))
+            ev.append(BlockRemoved(block_hashes=list(vhs), medium=medium, group_idx=0))
 
     # --- prefix lookup ----------------------------------------------------------------------
     def match_gpu(self, hashes: list[int], limit: int) -> int:

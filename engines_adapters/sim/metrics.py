@@ -63,7 +63,7 @@ class _EngineCollector:
         info = {"block_size": str(e.block_size), "cache_dtype": "auto", "enable_prefix_caching": "True",
                 "gpu_memory_utilization": str(e.profile.efficiency.get("gpu_memory_utilization", 0.9)),
                 "num_cpu_blocks": str(e.kv.host_capacity), "num_gpu_blocks": str(e.kv.capacity),
-                "prefix_caching_hash_algo": "sha256", "engine": self.labels[1]}
+                "prefix_caching_hash_algo": e.hash_algo, "engine": self.labels[1]}
         g = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
                               labels=list(info))
         g.add_metric(list(info.values()), 1.0)

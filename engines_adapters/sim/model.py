@@ -19,15 +19,25 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import os
 import random
 from collections import deque
 
 from predictors.types import ROLES
-from scheduler.hashing import block_hashes, digest_to_int, vllm_block_digests, vllm_none_hash
+from scheduler.hashing import (
+    block_hashes,
+    digest_to_int,
+    namespace_parent,
+    vllm_block_digests,
+    vllm_extra_keys,
+    vllm_hash_fn,
+    vllm_none_hash,
+    vllm_seed_text,
+)
 
 from ..kv_wire import MEDIUM_GPU, BlockStored
-from ..sglang_wire import MEDIUM_HOST as SGLANG_MEDIUM_HOST, digest_to_event_id, page_digests
-from .kv_cache import Block, KVCache
+from ..sglang_wire import MEDIUM_HOST as SGLANG_MEDIUM_HOST, digest_to_event_id, page_digests, salt_seed
+from .kv_cache import Block, KVCache, lora_int_id
 from .profiles import Profile
 from .records import EngineStats, Finished, FirstToken, HeldKV, SimRequest, StepResult
 from .text import OutputSampler
@@ -46,7 +56,7 @@ class _Seq:
                  "hashes", "nb", "n_alloc", "cap", "computed", "num_out", "out_off", "state",
                  "looked_up", "arrival", "scheduled", "first_token", "cached_tokens", "transfer_s",
                  "preemptions", "load_kind", "load_hits", "load_start", "hold_expires", "decoding", "loaded",
-                 "lookup_hits")
+                 "lookup_hits", "root", "salt", "lora")
 
     def __init__(self, req: SimRequest, now: float, hashes: list[int], out_off: int, target: int):
         self.rid = req.request_id
@@ -79,6 +89,9 @@ class _Seq:
         self.decoding = False  # sampled at the end of its prefill: one token per step from now on
         self.loaded = False  # holds KV loaded from a remote instance or the host tier
         self.lookup_hits = 0  # prefix tokens found by the pending lookup (counted on admission)
+        self.salt = req.cache_salt or None
+        self.lora = req.lora_name or None
+        self.root = namespace_parent(self.salt, self.lora)  # the chain's root: its prefix-cache namespace
 
     @property
     def num_tokens(self) -> int:
@@ -93,7 +106,7 @@ class EngineModel:
                  kv_hold_timeout: float = 30.0,
                  net_bytes_per_s: float | None = None, transfer_latency_s: float | None = None,
                  host_bytes_per_s: float | None = None, median_output: int = 128,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, hash_algo: str = "sha256", int_block_hashes: bool = True):
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         if block_size <= 0 or max_num_seqs <= 0 or max_num_batched_tokens <= 0:
@@ -112,7 +125,7 @@ class EngineModel:
         host_blocks = host_tier_tokens // block_size
         # per-block event metadata only where a hash is not the event id or an offload repeats it
         self.kv = KVCache(cap_tokens // block_size, block_size, host_blocks, kv_events,
-                          meta=event_hashes != "index" or host_blocks > 0)
+                          meta=event_hashes != "index" or host_blocks > 0, merge_removals=event_hashes == "index")
         # a sequence longer than the whole cache could never finish (vLLM refuses such a
         # max_model_len at start-up): clamp, so the API answers 400 instead of a hang
         self.max_model_len = min(self.max_model_len, self.kv.capacity * block_size)
@@ -134,10 +147,20 @@ class EngineModel:
         if self._sglang_ids:
             self.kv.host_medium = SGLANG_MEDIUM_HOST
         # "vllm": events name blocks by vLLM's sha256 ids, as on the wire; "index": by the chained
-        # xxhash the engine already keys its cache by (the simulator's choice: a subscriber
-        # re-hashes the events' token ids either way, and sha256 per block dominates its run time)
+        # xxhash the engine already keys its cache by, removals merged (the simulator's choice: a
+        # subscriber re-hashes the events' token ids either way, sha256 per block dominates its run
+        # time, and one BlockRemoved per block would add a tenth to it)
         self._index_ids = event_hashes == "index"
-        self._none_digest = vllm_none_hash() if kv_events and event_hashes == "vllm" else None
+        # vLLM's --prefix-caching-hash-algo, and VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES (False: events
+        # carry the raw digests); unset PYTHONHASHSEED with an xxhash algo: a random seed, as vLLM
+        self.hash_algo = hash_algo
+        self._int_ids = int_block_hashes
+        try:
+            seed_text = vllm_seed_text(hash_algo)
+        except ValueError:
+            vllm_hash_fn(hash_algo)  # an unknown algo is an error; a missing seed is vLLM's random one
+            seed_text = os.urandom(32).hex()
+        self._none_digest = vllm_none_hash(seed_text, hash_algo) if kv_events and event_hashes == "vllm" else None
         self._waiting: deque[_Seq] = deque()
         self._prefilling: list[_Seq] = []
         self._decoding: list[_Seq] = []
@@ -179,7 +202,8 @@ class EngineModel:
         if -(-(P + target) // bs) > self.kv.capacity:
             raise ValueError(f"prompt of {P} tokens plus {target} output tokens needs more KV blocks than the "
                              f"cache holds ({self.kv.capacity} blocks of {bs})")
-        hashes = block_hashes(req.prompt, bs) if req.block_hashes is None else list(req.block_hashes)
+        hashes = (block_hashes(req.prompt, bs, parent=namespace_parent(req.cache_salt, req.lora_name))
+                  if req.block_hashes is None else list(req.block_hashes))
         s = _Seq(req, now, hashes, off, max(1, target))
         self._seqs[rid] = s
         self._waiting.append(s)
@@ -572,7 +596,8 @@ class EngineModel:
         hashes = s.hashes
         first = s.nb
         for bi in range(max(first, len(hashes)), upto):  # output blocks: extend the chain
-            hashes.append(block_hashes(self._tokens(s, bi * bs, (bi + 1) * bs), bs, hashes[bi - 1] if bi else None)[0])
+            parent = hashes[bi - 1] if bi else s.root
+            hashes.append(block_hashes(self._tokens(s, bi * bs, (bi + 1) * bs), bs, parent)[0])
         if upto <= first:
             return
         new = kv.commit_many(hashes, first, upto)
@@ -590,12 +615,20 @@ class EngineModel:
         hashes_all = s.hashes
         events = kv.events
         assert events is not None
+        lora, salt = s.lora, s.salt
+        lora_id = lora_int_id(lora)
         for a, b in _runs(idxs):
             tokens = self._tokens(s, a * bs, b * bs)
+            # as vLLM's BlockPool: one extra-keys entry per block (LoRA name, salt on block 0), group 0
+            keys = ([vllm_extra_keys(a + off == 0, lora, salt) for off in range(b - a)] if lora or salt
+                    else [None] * (b - a))
+            if self._sglang_ids and salt:  # SGLang names the salt on every event of a salted chain
+                keys = [(salt,)] * (b - a)
             if meta is None:  # index ids, no host tier: a block's id is its hash
                 events.append(BlockStored(
                     block_hashes=hashes_all[a:b], parent_block_hash=hashes_all[a - 1] if a else None,
-                    token_ids=tokens, block_size=bs, lora_id=None, medium=MEDIUM_GPU, lora_name=None))
+                    token_ids=tokens, block_size=bs, lora_id=lora_id, medium=MEDIUM_GPU, lora_name=lora,
+                    extra_keys=keys, group_idx=0))
                 continue
             parent = meta[hashes_all[a - 1]] if a else None
             parent_vh = parent.vh if parent else None
@@ -604,22 +637,26 @@ class EngineModel:
                 for off in range(b - a):
                     h = hashes_all[a + off]
                     meta[h] = Block(h, None, parent_vh if off == 0 else hashes[-1],
-                                    tuple(tokens[off * bs:(off + 1) * bs]) if keep_tokens else None)
+                                    tuple(tokens[off * bs:(off + 1) * bs]) if keep_tokens else None, keys[off], lora)
                     hashes.append(h)
             else:
-                if self._sglang_ids:  # a page chains from its parent page's digest (the root: none)
-                    digests = page_digests(tokens, bs, parent.vdigest if parent else None)
+                if self._sglang_ids:  # a page chains from its parent page's digest (the root: none, or the salt's)
+                    digests = page_digests(tokens, bs, parent.vdigest if parent else salt_seed(salt))
                 else:
-                    digests = vllm_block_digests(tokens, bs, parent=parent.vdigest if parent else self._none_digest)
-                to_id = digest_to_event_id if self._sglang_ids else digest_to_int
+                    digests = vllm_block_digests(tokens, bs, parent=parent.vdigest if parent else self._none_digest,
+                                                 algo=self.hash_algo, lora_name=lora, cache_salt=salt, first=a == 0)
                 for off, d in enumerate(digests):
-                    vh = to_id(d)
+                    if self._sglang_ids:
+                        vh = digest_to_event_id(d)
+                    else:
+                        vh = digest_to_int(d) if self._int_ids else d
                     meta[hashes_all[a + off]] = Block(vh, d, parent_vh if off == 0 else hashes[-1],
-                                                      tuple(tokens[off * bs:(off + 1) * bs]) if keep_tokens else None)
+                                                      tuple(tokens[off * bs:(off + 1) * bs]) if keep_tokens else None,
+                                                      keys[off], lora)
                     hashes.append(vh)
             events.append(BlockStored(
                 block_hashes=hashes, parent_block_hash=parent_vh, token_ids=tokens, block_size=bs,
-                lora_id=None, medium=MEDIUM_GPU, lora_name=None))
+                lora_id=lora_id, medium=MEDIUM_GPU, lora_name=lora, extra_keys=keys, group_idx=0))
 
 
 def _runs(idxs: list[int]) -> list[tuple[int, int]]:

@@ -13,8 +13,11 @@ class SimRequest:
     ``remote_kv``: decode side of PD: the prompt's KV is pulled from a prefill instance (the
     transfer is modelled at the network bandwidth) instead of computed.
     ``block_hashes``: the prompt's chained block hashes at the engine's block size
-    (``scheduler.hashing.block_hashes(prompt, block_size)``) when the caller has them already
-    (the simulator: the gateway hashed the prompt to place it); ``None``: the engine hashes it.
+    (``scheduler.hashing.block_hashes(prompt, block_size, parent=namespace_parent(cache_salt,
+    lora_name))``) when the caller has them already (the simulator: the gateway hashed the prompt
+    to place it); ``None``: the engine hashes it.
+    ``cache_salt`` / ``lora_name``: the request's prefix-cache namespace, as vLLM's (the salt
+    enters the first block's hash, the adapter every block's): only the same salt and adapter hit.
     """
 
     request_id: str
@@ -24,6 +27,8 @@ class SimRequest:
     hold_kv: bool = False
     remote_kv: bool = False
     block_hashes: list[int] | None = None
+    cache_salt: str | None = None
+    lora_name: str | None = None
 
 
 @dataclass(slots=True)

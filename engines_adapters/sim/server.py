@@ -28,6 +28,7 @@ from predictors.cli_args import (
     positive_float,
     positive_int,
 )
+from scheduler.hashing import VLLM_HASH_ALGOS
 
 from .. import sglang_wire
 from ..kv_wire import encode_batch
@@ -94,6 +95,8 @@ def build_parser() -> Parser:
                    help="modelled seconds a prefill holds KV nobody pulled")
     p.add_argument("--median-output-tokens", type=positive_int, default=128,
                    help="median of the output-length distribution (without ignore_eos)")
+    p.add_argument("--prefix-caching-hash-algo", default="sha256", choices=VLLM_HASH_ALGOS,
+                   help="KV-event block ids by vLLM's recipe (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0: raw digests)")
     p.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
 
@@ -156,7 +159,9 @@ def _engine(args: argparse.Namespace) -> EngineModel:
             host_tier_tokens=args.host_tier_tokens, seed=args.seed, noise=args.noise,
             kv_events=bool(args.kv_events), kv_hold_timeout=args.kv_hold_timeout,
             event_hashes="sglang" if args.flavor == "sglang" else "vllm",
-            median_output=args.median_output_tokens, max_model_len=args.max_model_len)
+            median_output=args.median_output_tokens, max_model_len=args.max_model_len,
+            hash_algo=args.prefix_caching_hash_algo,
+            int_block_hashes=os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1") not in ("0", "false", "False"))
     except ValueError as e:
         raise CLIError(str(e)) from None
 
