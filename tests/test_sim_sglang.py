@@ -225,3 +225,23 @@ def test_page_size_mismatch_is_refused_by_the_decode():
         st, _, err = d.post("/generate", body)
         assert st == 500 and "--page-size" in err["error"]["message"]
         assert p.stats()["running"] == 0
+
+
+def test_salted_pages_chain_from_the_salt_and_name_it_on_the_wire():
+    kv, replay = free_port(), free_port()
+    with sglang("--kv-events", f"tcp://*:{kv}", "--kv-events-replay", f"tcp://127.0.0.1:{replay}",
+                "--page-size", "4") as e:
+        prompt = list(range(1, 14))
+        for salt in ("tenant-a", None):
+            body = {"input_ids": prompt, **GEN, **({"cache_salt": salt} if salt else {})}
+            assert e.post("/generate", body)[2]["meta_info"]["cached_tokens"] == 0  # salts never share pages
+        def roots():
+            found = [ev for _, b in replay_all(replay) for ev in b[1]
+                     if ev["type"] == "BlockStored" and ev["parent_block_hash"] is None]
+            return found if len(found) >= 2 else None
+
+        stored = wait_until(roots, what="both requests' first pages")
+        salted = next(ev for ev in stored if ev.get("cache_salt") == "tenant-a")
+        plain = next(ev for ev in stored if "cache_salt" not in ev)
+        assert salted["block_hashes"][:3] == sglang_page_ids(prompt, 4, "tenant-a")
+        assert plain["block_hashes"][:3] == sglang_page_ids(prompt, 4)

@@ -261,10 +261,13 @@ class SGLangApi(OpenAIApi):
             stream = _bool_field(body, "stream")
         except ApiError as e:
             raise ApiError(400, e.message) from None
+        salt = body.get("cache_salt")
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise ApiError(400, "cache_salt must be a non-empty string if provided.")
         kv = self._kv_params(body, prompt)
         if isinstance(kv, RoomParams) and kv.do_remote_decode:
             mx = 1
-        return _Gen(False, prompt, max(1, mx), ignore_eos, stream, False, kv, native=True)
+        return _Gen(False, prompt, max(1, mx), ignore_eos, stream, False, kv, cache_salt=salt, native=True)
 
     def _meta(self, st: RequestStream, g: _Gen, rid: str, n_out: int, t0: float) -> dict[str, Any]:
         f = st.finished
