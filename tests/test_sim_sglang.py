@@ -245,3 +245,25 @@ def test_salted_pages_chain_from_the_salt_and_name_it_on_the_wire():
         plain = next(ev for ev in stored if "cache_salt" not in ev)
         assert salted["block_hashes"][:3] == sglang_page_ids(prompt, 4, "tenant-a")
         assert plain["block_hashes"][:3] == sglang_page_ids(prompt, 4)
+
+
+def test_extra_key_separates_pages_but_not_their_event_ids():
+    kv, replay = free_port(), free_port()
+    with sglang("--kv-events", f"tcp://*:{kv}", "--kv-events-replay", f"tcp://127.0.0.1:{replay}",
+                "--page-size", "4") as e:
+        prompt = list(range(50, 63))
+
+        def cached(**extra):
+            return e.post("/generate", {"input_ids": prompt, **GEN, **extra})[2]["meta_info"]["cached_tokens"]
+
+        assert (cached(extra_key="a"), cached(extra_key="b"), cached(extra_key="a"), cached()) == (0, 0, 12, 0)
+        assert e.post("/generate", {"input_ids": prompt, **GEN, "extra_key": ""})[0] == 400
+
+        def roots():
+            found = [ev for _, b in replay_all(replay) for ev in b[1]
+                     if ev["type"] == "BlockStored" and ev["parent_block_hash"] is None]
+            return found if len(found) >= 3 else None
+
+        stored = wait_until(roots, what="three chains' first pages")
+        assert all(ev["block_hashes"][:3] == sglang_page_ids(prompt, 4) for ev in stored)  # SGLang: no key in ids
+        assert all("cache_salt" not in ev for ev in stored)

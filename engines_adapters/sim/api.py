@@ -76,6 +76,7 @@ class _Gen:
     kv: KVParams | None
     cache_salt: str | None = None
     native: bool = False  # SGLang's /generate (its own response shape)
+    block_hashes: list[int] | None = None  # the prompt's cache keys when a flavour namespaces them itself
 
 
 def _int_field(body: dict, key: str) -> int | None:
@@ -343,7 +344,8 @@ class OpenAIApi:
                 return error_response(409, f"the prefill instance holds KV for {meta.get('num_tokens')} tokens but "
                                            f"this prompt has {len(g.prompt)}", "kv_transfer_params", echo)
         req = SimRequest(rid, g.prompt, g.max_tokens, output_len=g.max_tokens if g.ignore_eos else None,
-                         hold_kv=bool(g.kv and g.kv.do_remote_decode), remote_kv=remote, cache_salt=g.cache_salt)
+                         hold_kv=bool(g.kv and g.kv.do_remote_decode), remote_kv=remote, cache_salt=g.cache_salt,
+                         block_hashes=g.block_hashes)
         try:
             st = self.driver.submit(req)
         except ValueError as e:

@@ -22,6 +22,8 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from scheduler.hashing import block_hashes, namespace_parent
+
 from .api import ApiError, OpenAIApi, ServerInfo, _bool_field, _Gen, _json_response, error_response
 from .bootstrap import MAX_ROOM, RoomParams, Rooms, fingerprint
 from .driver import EngineDriver, RequestStream
@@ -267,7 +269,23 @@ class SGLangApi(OpenAIApi):
         kv = self._kv_params(body, prompt)
         if isinstance(kv, RoomParams) and kv.do_remote_decode:
             mx = 1
-        return _Gen(False, prompt, max(1, mx), ignore_eos, stream, False, kv, cache_salt=salt, native=True)
+        return self._namespaced(_Gen(False, prompt, max(1, mx), ignore_eos, stream, False, kv, cache_salt=salt,
+                                     native=True), body)
+
+    def _parse(self, body: dict, chat: bool) -> _Gen:
+        return self._namespaced(super()._parse(body, chat), body)
+
+    def _namespaced(self, g: _Gen, body: dict) -> _Gen:
+        """SGLang's ``extra_key``: requests share cached pages only with the same key (and salt);
+        unlike the salt it does not enter the pages' event ids (SGLang recomputes them without it)."""
+        key = body.get("extra_key")
+        if key is None:
+            return g
+        if not isinstance(key, str) or not key:
+            raise ApiError(400, "extra_key must be a non-empty string if provided.", "extra_key")
+        g.block_hashes = block_hashes(g.prompt, self.page_size,
+                                      parent=namespace_parent(g.cache_salt, None, ("extra_key", key)))
+        return g
 
     def _meta(self, st: RequestStream, g: _Gen, rid: str, n_out: int, t0: float) -> dict[str, Any]:
         f = st.finished
