@@ -111,9 +111,17 @@ def test_a_room_taken_on_the_prefill_is_the_pairs_failure(engines):
 
 
 def test_client_leaving_mid_handover_aborts_both_legs(engines):
+    p = engines["p0"][0]
+
+    def prefill_has_it():
+        st = p.stats()
+        return st["running"] + st["waiting"] + st["held"] > 0
+
     async def go():
         task = asyncio.ensure_future(drive(engines, "p0", "d0", request("sg-6", "long prompt " * 2000)))
-        await asyncio.sleep(0.05)
+        # the handover is under way once the prefill instance has the request (bounded wait, no sleep)
+        await asyncio.get_running_loop().run_in_executor(
+            None, lambda: wait_until(prefill_has_it, interval=0.002, what="the prefill leg"))
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

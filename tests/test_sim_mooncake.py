@@ -126,7 +126,7 @@ def test_the_gateway_driver_runs_the_flow(pd):
     wait_until(lambda: p.stats()["held"] == 0, what="the prefill's KV released")
 
 
-def test_a_decode_refusing_the_pair_is_retryable_and_leaves_nothing_held(pd):
+def test_a_request_the_engines_refuse_is_passed_on_and_leaves_nothing_held(pd):
     p, d, boot, _ = pd
     long_prompt = "word " * 200_000  # beyond the context: both legs refuse it, the prefill's answer is passed on
     with pytest.raises(UpstreamHTTPError) as e:
