@@ -115,5 +115,22 @@ def main(mode: str) -> dict:
                 p.kill()
 
 
+def loopback_up() -> None:
+    """Bring up ``lo`` in a fresh network namespace (SIOCSIFFLAGS with IFF_UP|IFF_RUNNING), so no
+    tool beyond util-linux's ``unshare`` is needed."""
+    import fcntl
+    import socket
+    import struct
+
+    siocgifflags, siocsifflags, iff_up, iff_running = 0x8913, 0x8914, 0x1, 0x40
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sk:
+        req = struct.pack("16sH14s", b"lo", 0, b"")
+        flags = struct.unpack("16sH14s", fcntl.ioctl(sk.fileno(), siocgifflags, req))[1]
+        fcntl.ioctl(sk.fileno(), siocsifflags, struct.pack("16sH14s", b"lo", flags | iff_up | iff_running, b""))
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "--lo-up":
+        loopback_up()
+        sys.argv.pop(1)
     print(json.dumps(main(sys.argv[1])))
