@@ -451,14 +451,12 @@ class OpenAIApi:
                 await resp.prepare(request)
                 out = first_chunk + out
             if st.finished is not None:
-                if out:
-                    await resp.write(out)
                 err = await self._before_end(g, rid)
                 if err is not None:
-                    out = b"data: " + _json.encode({"error": {"message": err, "type": "InternalServerError",
-                                                              "code": 500}}) + b"\n\ndata: [DONE]\n\n"
+                    out += b"data: " + _json.encode({"error": {"message": err, "type": "InternalServerError",
+                                                               "code": 500}}) + b"\n\ndata: [DONE]\n\n"
                 else:
-                    out = self._final_chunks(st, g, rid, created, model)
+                    out += self._final_chunks(st, g, rid, created, model)
                 await resp.write(out)
                 break
             if out:
