@@ -18,14 +18,39 @@ def _dumps(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
+class EngineSession:
+    """The gateway's shared session as one engine's calls use it: each call carries the engine's
+    API key (vLLM's ``--api-key``: ``Authorization: Bearer``) and asks for identity encoding, and
+    a body the engine compresses anyway is decompressed: the gateway forwards an engine's bytes
+    without its ``Content-Encoding``, so they must never be compressed."""
+
+    def __init__(self, session: aiohttp.ClientSession, api_key: str | None = None):
+        self._session = session
+        self.headers = {"accept-encoding": "identity"}
+        if api_key:
+            self.headers["authorization"] = f"Bearer {api_key}"
+
+    def request(self, method: str, url: str, *, headers: dict[str, str] | None = None, **kw: Any) -> Any:
+        return self._session.request(method, url, headers={**(headers or {}), **self.headers}, auto_decompress=True,
+                                     **kw)
+
+    def get(self, url: str, **kw: Any) -> Any:
+        return self.request("GET", url, **kw)
+
+    def __getattr__(self, name: str) -> Any:  # closed, close(), ...: the shared session's own
+        return getattr(self._session, name)
+
+
 class EngineClient:
     """One engine behind its base URL. All calls are bounded by timeouts; none blocks the loop.
     ``flavor`` names the engine family (``engines_adapters.drivers.FLAVORS``): its metric names.
     ``bootstrap_port``: where an SGLang prefill instance's bootstrap server listens."""
 
     def __init__(self, session: aiohttp.ClientSession, engine_id: str, url: str, *, flavor: str = "vllm",
-                 connect_timeout_s: float = 5.0, timeout_s: float = 600.0, bootstrap_port: int | None = None):
-        self.session, self.id, self.url, self.flavor = session, engine_id, url.rstrip("/"), flavor
+                 connect_timeout_s: float = 5.0, timeout_s: float = 600.0, api_key: str | None = None,
+                 bootstrap_port: int | None = None):
+        self.session: Any = EngineSession(session, api_key)
+        self.id, self.url, self.flavor = engine_id, url.rstrip("/"), flavor
         self.bootstrap_port = bootstrap_port  # an SGLang prefill's bootstrap server (None: SGLang's 8998)
         self.connect_timeout_s, self.timeout_s = connect_timeout_s, timeout_s
 

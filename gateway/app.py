@@ -5,7 +5,7 @@ import contextlib
 import gc
 import logging
 
-from fastapi import FastAPI, Query
+from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -13,11 +13,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from gateway.admin import decisions_page, number_decisions
+from gateway.auth import EdgeGuard
 from gateway.cluster import Cluster
 from gateway.config import GatewayConfig
 from gateway.embedded import EmbeddedCluster
-from gateway.errors import error_response
+from gateway.errors import RequestError, error_response
 from gateway.observability import GatewayMetrics, TelemetryWriter, make_tracer_provider
+from gateway.openapi import add_routes_outside_fastapi
 from gateway.proxy import Proxy
 from gateway.tokenizers import BuiltinTokenizer, EngineTokenizer, HFTokenizer
 
@@ -47,6 +50,7 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
             metrics = GatewayMetrics()
             state.update(cluster=cluster, metrics=metrics,
                          proxy=Proxy(cfg, cluster, metrics, telemetry, _tokenizer(cfg, cluster), tracer))
+            number_decisions(cluster.scheduler)  # /admin/decisions pages by record number
             gc.collect()
             gc.freeze()  # start-up objects leave the collector's view: no full-GC pauses on decisions
             log.info("cluster: %s; ready=%s", ", ".join(f"{e.id}({e.role}) {e.url}" for e in engines), cluster.ready())
@@ -100,10 +104,13 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
     async def admin_cluster():
         return state["cluster"].admin_view()
 
-    @app.get("/admin/decisions")
-    async def admin_decisions(limit: int = Query(20, ge=1, le=10_000)):
-        decisions = state["cluster"].scheduler.decisions
-        return {"decisions": list(decisions)[-limit:]}
+    async def admin_decisions(request: Request):
+        try:
+            return decisions_page(state["cluster"].scheduler.decisions, request.query_params)
+        except RequestError as e:
+            return e.response()
+
+    app.add_route("/admin/decisions", admin_decisions, methods=["GET"])
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
@@ -117,6 +124,24 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
         return error_response(400, f"invalid parameter {param}: {first.get('msg', 'invalid')}", "invalid_parameter",
                               param)
 
+    fastapi_openapi = app.openapi
+
+    def openapi() -> dict:
+        cluster = state.get("cluster")
+        return add_routes_outside_fastapi(fastapi_openapi(), cluster.models if cluster is not None else [])
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, exc: Exception):
+        """A bug of ours still answers in the API's error shape (uvicorn logs the traceback)."""
+        return error_response(500, f"internal error: {type(exc).__name__}", "internal_error")
+
+    def refused(reason: str) -> None:
+        if "metrics" in state:
+            state["metrics"].refused.labels(reason).inc()
+
+    app.add_middleware(EdgeGuard, auth=cfg.auth, on_refused=refused)
     return app
 
 

@@ -55,6 +55,7 @@ class Cluster:
         for e in self.engines.values():
             fl = flavor(e.flavor)
             self.clients[e.id] = EngineClient(self.session, e.id, e.url, flavor=fl.name,
+                                              api_key=e.api_key or self.cfg.auth.engine_api_key,
                                               connect_timeout_s=self.cfg.upstream_connect_timeout_s,
                                               timeout_s=self.cfg.upstream_timeout_s, bootstrap_port=e.bootstrap_port)
             self.drivers[e.id] = fl.driver

@@ -3,9 +3,11 @@ examples/conductor.toml), or nothing for the embedded simulated cluster."""
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.auth import AuthConfig, AuthConfigError, parse_auth
 from predictors.analytic import Prior
 from predictors.facts import load_deployment
 from predictors.telemetry import SLO
@@ -35,6 +37,7 @@ class EngineConfig:
     kv_capacity_tokens: int | None = None  # None: estimated, then learned from the engine's /metrics
     max_model_len: int | None = None  # None: the model card's
     profile: str | None = None  # deprecated alias of deployment
+    api_key: str | None = field(default=None, repr=False)  # sent as a Bearer token (vLLM --api-key)
     protocol: str | None = None  # PD protocol / engine flavour; None: the kind's (KIND_PROTOCOLS)
     bootstrap_port: int | None = None  # SGLang prefill: its bootstrap server's port (None: 8998)
 
@@ -84,6 +87,11 @@ class GatewayConfig:
     keep_decisions: int = 1000
     policy_params: dict[str, Any] = field(default_factory=dict)
     prior: Prior = field(default_factory=Prior)  # the analytic predictors' rules of thumb ([prior])
+    auth: AuthConfig = field(default_factory=AuthConfig)  # [auth]: client keys, admin token, hosts (gateway/auth.py)
+    # a prompt longer than the longest served context (max_model_len) x this many characters a
+    # token is refused before tokenizing; default: 1 for the built-in byte tokenizer (exact: a
+    # character is at least one byte-token), 8 for the others (natural text averages about 4)
+    prompt_chars_per_token: float | None = None
 
 
 def _take(section: dict[str, Any], cls, where: str):
@@ -97,13 +105,18 @@ def _take(section: dict[str, Any], cls, where: str):
         raise ConfigError(f"{where}: {e}") from None
 
 
-def parse_config(raw: dict[str, Any]) -> GatewayConfig:
+def parse_config(raw: dict[str, Any], environ: Mapping[str, str] | None = None) -> GatewayConfig:
     raw = dict(raw)
     engines = [_take(dict(e), EngineConfig, f"engines[{i}]") for i, e in enumerate(raw.pop("engines", []))]
     embedded_raw = raw.pop("embedded", None)
     slo_raw = raw.pop("slo", None)
     prior_raw = raw.pop("prior", None)
+    auth_raw = raw.pop("auth", None)
     cfg = _take(raw, GatewayConfig, "config")
+    try:
+        cfg.auth = parse_auth(auth_raw, environ)
+    except AuthConfigError as e:
+        raise ConfigError(str(e)) from None
     cfg.engines = engines
     if slo_raw is not None:
         unknown = set(slo_raw) - {"ttft_ms", "tbt_ms"}
@@ -117,6 +130,8 @@ def parse_config(raw: dict[str, Any]) -> GatewayConfig:
     elif embedded_raw is not None:
         cfg.embedded = _take(embedded_raw, EmbeddedConfig, "embedded")
     validate(cfg)
+    if cfg.auth.engine_api_key and cfg.embedded is not None:  # the embedded engines demand the key they are sent
+        cfg.embedded.extra_args = [*cfg.embedded.extra_args, "--api-key", cfg.auth.engine_api_key]
     return cfg
 
 
@@ -168,6 +183,8 @@ def validate(cfg: GatewayConfig) -> None:
         bp = e.bootstrap_port
         if bp is not None and (not isinstance(bp, int) or isinstance(bp, bool) or not 0 < bp < 65536):
             raise ConfigError(f"engine {e.id}: bootstrap_port must be a TCP port, got {bp!r}")
+        if e.api_key is not None and (not isinstance(e.api_key, str) or not e.api_key):
+            raise ConfigError(f"engine {e.id}: api_key must be a non-empty string")
         for name in ("kv_capacity_tokens", "max_model_len"):
             v = getattr(e, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
@@ -197,6 +214,9 @@ def validate(cfg: GatewayConfig) -> None:
         raise ConfigError("block_size, max_body_bytes and default_max_tokens must be positive")
     if cfg.otel_exporter not in ("none", "console", "otlp"):
         raise ConfigError(f"otel_exporter must be none, console or otlp, got {cfg.otel_exporter!r}")
+    cpt = cfg.prompt_chars_per_token
+    if cpt is not None and (isinstance(cpt, bool) or not isinstance(cpt, (int, float)) or not cpt >= 1):
+        raise ConfigError(f"prompt_chars_per_token must be a number >= 1, got {cpt!r}")
 
 
 def check_protocol_pairs(engines: list[EngineConfig]) -> None:

@@ -5,12 +5,18 @@ import json
 
 from starlette.responses import Response
 
-_TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
+_TYPES = {404: "not_found_error",
           429: "rate_limit_error", 502: "upstream_error", 503: "service_unavailable", 504: "timeout_error"}
 
 
+def error_type(status: int) -> str:
+    """OpenAI's error ``type`` for a status: any other 4xx is the client's (``invalid_request_error``,
+    e.g. 405, 413, 431), any other 5xx ours (``server_error``)."""
+    return _TYPES.get(status) or ("invalid_request_error" if 400 <= status < 500 else "server_error")
+
+
 def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> bytes:
-    err = {"message": message, "type": _TYPES.get(status, "server_error"), "param": param, "code": code}
+    err = {"message": message, "type": error_type(status), "param": param, "code": code}
     return json.dumps({"error": err}).encode()
 
 

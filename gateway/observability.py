@@ -46,6 +46,8 @@ class GatewayMetrics:
                                        ["instance"], registry=r)
         self.inst_prompt_tokens = Counter("conductor_instance_prompt_tokens", "Prompt tokens routed", ["instance"],
                                           registry=r)
+        self.refused = Counter("conductor_refused_at_edge", "Requests refused before any route ran (auth, "
+                               "Host, header size)", ["reason"], registry=r)
 
     def observe(self, rec: RequestRecord) -> None:
         self.requests.labels(rec.status, rec.reject_reason or "").inc()

@@ -23,12 +23,20 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from engines_adapters.drivers import DecodeResponse, PairRequest, UpstreamError, UpstreamHTTPError, UpstreamTimeout
+from gateway.auth import SCOPE_KEY
 from gateway.cluster import Cluster
 from gateway.config import GatewayConfig
 from gateway.errors import RequestError, error_response
 from gateway.observability import GatewayMetrics, RequestSpans, TelemetryWriter
-from gateway.requests import ParsedRequest, cache_salt, parse_body, slo_override
-from gateway.streaming import StreamTally, UpstreamStream
+from gateway.requests import (
+    ParsedRequest,
+    cache_salt,
+    check_prompt_size,
+    check_request_id,
+    parse_body,
+    slo_override,
+)
+from gateway.streaming import StreamTally, UpstreamStream, prefill_usage
 from gateway.tokenizers import PromptTokenizer
 from predictors.telemetry import RequestRecord
 from scheduler import Rejection, RequestFacts
@@ -93,23 +101,39 @@ class Proxy:
         self._observers = (self._forget, metrics.observe, telemetry.write, self.sched.predictors.observe)
         self._spans = None if isinstance(tracer, trace.NoOpTracer) else RequestSpans(
             tracer, time.time_ns() - time.monotonic_ns())
+        # characters a token may take, at most, when bounding a prompt before tokenizing it
+        self._chars_per_token = cfg.prompt_chars_per_token or (1.0 if cfg.tokenizer == "builtin" else 8.0)
 
     async def handle(self, request: Request, endpoint: str) -> Response:
-        lc = self._arrive(request, endpoint)
+        client_rid = request.headers.get("x-request-id")
+        try:
+            if client_rid is not None:
+                check_request_id(client_rid)
+            bad_rid = None
+        except RequestError as e:
+            client_rid, bad_rid = None, e  # the request gets an id of ours, and its 400 is recorded
+        key = request.scope.get(SCOPE_KEY)
+        lc = self._arrive(client_rid, endpoint)
         rec = lc.record
+        if key is not None:
+            rec.extra["api_key"] = key.name
         with ReservationGuard(lc) as guard:
             try:
+                if bad_rid is not None:
+                    raise bad_rid
+                slo = slo_override(request.headers, self.cfg.slo, trusted=key is not None and key.trust_slo_headers)
                 req = parse_body(await self._read_body(request), endpoint, self.cfg.default_max_tokens)
                 if self.cluster.models and req.model not in self.cluster.models:
                     served = ", ".join(self.cluster.models)
                     raise RequestError(404, f"model {req.model!r} does not exist; served: {served}",
                                        "model_not_found", "model")
-                slo = slo_override(request.headers)
                 salt = cache_salt(req)
+                check_prompt_size(req, self.sched.max_model_len(), self._chars_per_token)
                 tokens = await self.tokenizer.tokens(req)
             except RequestError as e:
                 lc.finish("error", e.status, error=e.code)
-                return e.response()
+                echo = {"x-request-id": self._echo_id(rec)}
+                return error_response(e.status, e.message, e.code, e.param, headers=echo)
             except ClientDisconnect:
                 lc.finish("aborted", 499)
                 return Response(status_code=499)
@@ -125,9 +149,8 @@ class Proxy:
                 lc.finish("aborted", 499)
                 return Response(status_code=499)  # nobody is left to read it
 
-    def _arrive(self, request: Request, endpoint: str) -> RequestLifecycle:
+    def _arrive(self, client_rid: str | None, endpoint: str) -> RequestLifecycle:
         arrival = time.monotonic()
-        client_rid = request.headers.get("x-request-id")
         rid = client_rid or f"cmpl-{uuid.uuid4().hex}"
         if rid in self._live:  # a client reusing an id must not collide in the ledger or an engine
             rid = f"{rid}.{uuid.uuid4().hex[:8]}"
@@ -237,9 +260,14 @@ class Proxy:
             resp.close()
         now = time.monotonic()
         try:
-            usage = json.loads(data).get("usage")
+            answer = json.loads(data)
+            usage = answer.get("usage")
         except (ValueError, AttributeError):
-            usage = None
+            answer = usage = None
+        cached = lc.record.cached_tokens
+        if cached is not None and isinstance(usage, dict):  # P/D: the prefill side's hits, not the pulled KV
+            answer["usage"] = prefill_usage(usage, cached)
+            data = json.dumps(answer, separators=(",", ":")).encode()
         lc.finish("ok", 200, usage=usage, token_times=[now])
         return Response(data, status_code=200, media_type="application/json", headers=headers)
 

@@ -21,6 +21,8 @@ from gateway.errors import sse_error
 # a chat delta or completion choice with non-empty text: a token chunk, not a role-only chunk
 _CONTENT = re.compile(rb'"(?:content|text|reasoning_content)":\s?"(?!")')
 _USAGE = re.compile(rb'"usage":\s?\{')
+#: the response header naming the prefix tokens the prefill instance itself found cached
+PREFILL_CACHED = "x-conductor-prefill-cached-tokens"
 
 
 class StreamTally:
@@ -52,12 +54,42 @@ class StreamTally:
                         pass
 
 
+def prefill_usage(usage: dict[str, Any], cached_tokens: int) -> dict[str, Any]:
+    """The usage block a client should see from a disaggregated pair: ``cached_tokens`` is what
+    the prefill instance found in its own cache. The decode engine counts the KV it pulled from
+    the prefill as cached (``prompt_tokens - 1`` even for a cold prompt): a 99.99% "hit rate"."""
+    details = usage.get("prompt_tokens_details")
+    details = dict(details) if isinstance(details, dict) else {}
+    details["cached_tokens"] = cached_tokens
+    return {**usage, "prompt_tokens_details": details}
+
+
+def rewrite_usage(events: bytes, cached_tokens: int) -> bytes:
+    """``events`` with each usage-carrying ``data:`` line's usage replaced by :func:`prefill_usage`
+    (re-encoded; every other line is the engine's bytes)."""
+    lines = events.split(b"\n")
+    for i, line in enumerate(lines):
+        if line.startswith(b"data: {") and _USAGE.search(line):
+            try:
+                obj = json.loads(line[6:])
+            except ValueError:
+                continue
+            if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
+                obj["usage"] = prefill_usage(obj["usage"], cached_tokens)
+                lines[i] = b"data: " + json.dumps(obj, separators=(",", ":")).encode()
+    return b"\n".join(lines)
+
+
 class UpstreamStream(Response):
-    """ASGI response streaming an aiohttp response; ``on_done(tally)`` runs exactly once."""
+    """ASGI response streaming an aiohttp response; ``on_done(tally)`` runs exactly once. A
+    disaggregated pair's usage events report the prefill side's cached tokens, the number its
+    ``x-conductor-prefill-cached-tokens`` header carries."""
 
     def __init__(self, resp: aiohttp.ClientResponse, headers: dict[str, str],
                  on_done: Callable[[StreamTally], None], idle_timeout_s: float):
         self.resp, self.extra_headers, self.on_done, self.idle_timeout_s = resp, headers, on_done, idle_timeout_s
+        cached = headers.get(PREFILL_CACHED)
+        self.prefill_cached_tokens = None if cached is None else int(cached)
         self.tally = StreamTally()
         self.status_code, self.background = 200, None
 
@@ -106,6 +138,8 @@ class UpstreamStream(Response):
                     continue
                 events, buf = buf[: cut + 2], buf[cut + 2 :]
                 tally.scan_events(events, time.monotonic())
+                if self.prefill_cached_tokens is not None and _USAGE.search(events):
+                    events = rewrite_usage(events, self.prefill_cached_tokens)
                 await send({"type": "http.response.body", "body": events, "more_body": True})
         except asyncio.TimeoutError:
             tally.error = "upstream timeout mid-stream"
@@ -119,4 +153,6 @@ class UpstreamStream(Response):
             return
         if buf:  # an engine that ended without a final blank line
             tally.scan_events(buf, time.monotonic())
+            if self.prefill_cached_tokens is not None and _USAGE.search(buf):
+                buf = rewrite_usage(buf, self.prefill_cached_tokens)
             await send({"type": "http.response.body", "body": buf, "more_body": True})

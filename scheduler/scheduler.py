@@ -159,6 +159,11 @@ class Scheduler:
             self._pool_cache = None
         return changed
 
+    def max_model_len(self) -> int:
+        """The longest context any known instance takes (0 with none): the gateway bounds a
+        prompt's size by it before tokenizing."""
+        return max(self._max_len.values(), default=0)
+
     def remove_instance(self, instance_id: str) -> bool:
         """Forget an instance (its index entries too); its reservations stay releasable once."""
         if not self._known(instance_id):

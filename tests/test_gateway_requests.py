@@ -40,11 +40,13 @@ def test_completions_need_prompt():
 
 
 def test_slo_headers():
-    assert slo_override({}) is None
-    slo = slo_override({"x-slo-ttft-ms": "250", "x-slo-tbt-ms": "50"})
+    from predictors.telemetry import SLO
+
+    assert slo_override({}, SLO(30.0, 0.2)) is None
+    slo = slo_override({"x-slo-ttft-ms": "250", "x-slo-tbt-ms": "50"}, SLO(30.0, 0.2))
     assert slo.ttft_s == pytest.approx(0.25) and slo.tbt_s == pytest.approx(0.05)
     with pytest.raises(RequestError):
-        slo_override({"x-slo-ttft-ms": "soon"})
+        slo_override({"x-slo-ttft-ms": "soon"}, SLO(30.0, 0.2))
 
 
 def test_tally_counts_content_chunks_not_role_chunks():

@@ -284,8 +284,9 @@ def kv_routes(rooms: Rooms, engine: Any, release_kv: Any) -> list[web.RouteDef]:
 class RoomPuller(KVPuller):
     """The decode side (SGLang): finds its room's KV on the prefill's bootstrap server, or times out."""
 
-    def __init__(self, page_size: int, waiting_timeout_s: float, poll_s: float = 5.0):
-        super().__init__(timeout_s=poll_s + 10.0)
+    def __init__(self, page_size: int, waiting_timeout_s: float, poll_s: float = 5.0,
+                 peers: frozenset[tuple[str, int]] | None = None):
+        super().__init__(timeout_s=poll_s + 10.0, peers=peers)
         self.page_size, self.waiting_timeout_s, self.poll_s = page_size, waiting_timeout_s, poll_s
         self._topology_ok: set[tuple[str, int]] = set()
         self.waiting = 0  # decode requests waiting for their room (SGLang's prealloc queue)
@@ -312,6 +313,9 @@ class RoomPuller(KVPuller):
 
     async def pull(self, p: KVParams) -> dict[str, Any]:
         assert isinstance(p, RoomParams)
+        if not self.known(p):  # --kv-peers names the prefills' bootstrap servers here
+            raise PullError(403, f"{p.remote_host}:{p.remote_port} is not a known prefill bootstrap server of this "
+                                 f"engine (--kv-peers)", "kv_transfer_unknown_peer")
         await self._check_topology(p)
         deadline = time.monotonic() + self.waiting_timeout_s
         last = "the prefill instance never received it"
@@ -358,8 +362,9 @@ class MooncakePuller(RoomPuller):
     """The decode side of vLLM's MooncakeConnector: the prefill's bootstrap server must know the
     ``remote_engine_id`` the router named (``GET /query``), then the transfer id's KV is awaited."""
 
-    def __init__(self, waiting_timeout_s: float, poll_s: float = 5.0):
-        super().__init__(0, waiting_timeout_s, poll_s)
+    def __init__(self, waiting_timeout_s: float, poll_s: float = 5.0,
+                 peers: frozenset[tuple[str, int]] | None = None):
+        super().__init__(0, waiting_timeout_s, poll_s, peers)
         self._engines: dict[tuple[str, int], set[str]] = {}
 
     async def _check_topology(self, p: RoomParams) -> None:

@@ -86,6 +86,21 @@ def parse_kv_params(raw: Any) -> KVParams | None:
     return KVParams(do_remote_prefill=True, remote_host=host, remote_port=port, remote_request_id=rid)
 
 
+def peer_host(host: str) -> str:
+    """One spelling per loopback host, to compare peers: ``localhost`` is ``127.0.0.1``."""
+    host = host.strip("[]").lower()
+    return "127.0.0.1" if host == "localhost" else host
+
+
+def parse_peer(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[::1]:PORT`` for IPv6) of a prefill peer; ValueError when malformed or
+    not on loopback."""
+    host, sep, port = text.strip().rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536 or not _is_loopback(host):
+        raise ValueError(f"{text!r} is not HOST:PORT on a loopback address")
+    return peer_host(host), int(port)
+
+
 def prefill_response_params(host: str, port: int, request_id: str, engine_id: str) -> dict[str, Any]:
     """What a prefill response carries for the router to hand to the decode instance."""
     return {"do_remote_prefill": True, "do_remote_decode": False, "remote_host": host, "remote_port": port,
@@ -95,8 +110,9 @@ def prefill_response_params(host: str, port: int, request_id: str, engine_id: st
 class KVPuller:
     """The decode side's HTTP client to prefill instances (one pooled session per server)."""
 
-    def __init__(self, timeout_s: float = 10.0):
+    def __init__(self, timeout_s: float = 10.0, peers: frozenset[tuple[str, int]] | None = None):
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.peers = peers  # (host, port) of the prefill instances it may pull from; None: any on loopback
         self._session: aiohttp.ClientSession | None = None
         self._tasks: set[asyncio.Task] = set()
 
@@ -110,8 +126,14 @@ class KVPuller:
         host = p.remote_host if ":" not in (p.remote_host or "") else f"[{p.remote_host.strip('[]')}]"
         return f"http://{host}:{p.remote_port}{path}"
 
+    def known(self, p: KVParams) -> bool:
+        return self.peers is None or (peer_host(p.remote_host or ""), p.remote_port) in self.peers
+
     async def pull(self, p: KVParams) -> dict[str, Any]:
-        """The held KV's metadata; raises PullError when it is gone or unreachable."""
+        """The held KV's metadata; raises PullError when it is gone, unreachable or not a peer's."""
+        if not self.known(p):
+            raise PullError(403, f"{p.remote_host}:{p.remote_port} is not a known prefill peer of this engine "
+                                 f"(--kv-peers)", "kv_transfer_unknown_peer")
         try:
             body = {"remote_request_id": p.remote_request_id}
             async with self._sess().post(self._url(p, "/kv/pull"), json=body) as r:
@@ -130,6 +152,8 @@ class KVPuller:
 
     def release(self, p: KVParams) -> None:
         """Tell the prefill side to free the held KV (fire and forget; a hold also expires)."""
+        if not self.known(p):
+            return
         t = asyncio.get_running_loop().create_task(self._release(p))
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
+import hmac
 import ipaddress
 import json
 import logging
@@ -38,7 +40,7 @@ from .driver import EngineDriver
 from .metrics import EngineMetrics
 from .model import ROLES, EngineModel
 from .mooncake_api import MooncakeApi
-from .pd import KVPuller
+from .pd import KVPuller, parse_peer
 from .profiles import load_profile, profile_names
 from .publisher import KVEventPublisher, check_endpoint, loopback_bind_address
 from .sglang_api import SGLangApi
@@ -95,6 +97,9 @@ def build_parser() -> Parser:
                    help="modelled seconds a prefill holds KV nobody pulled")
     p.add_argument("--median-output-tokens", type=positive_int, default=128,
                    help="median of the output-length distribution (without ignore_eos)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* as vLLM does")
+    p.add_argument("--kv-peers", metavar="HOST:PORT,...",
+                   help="the only prefill instances a decode may pull KV from (default: any on loopback)")
     p.add_argument("--prefix-caching-hash-algo", default="sha256", choices=VLLM_HASH_ALGOS,
                    help="KV-event block ids by vLLM's recipe (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0: raw digests)")
     p.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -130,6 +135,11 @@ def _check(args: argparse.Namespace) -> None:
                 raise CLIError(f"--{flag.replace('_', '-')}: {e}") from None
     if args.kv_events_replay and not args.kv_events:
         raise CLIError("--kv-events-replay needs --kv-events")
+    if args.kv_peers is not None:
+        try:
+            args.kv_peers = frozenset(parse_peer(x) for x in args.kv_peers.split(",") if x.strip())
+        except ValueError as e:
+            raise CLIError(f"--kv-peers: {e}") from None
     if args.max_num_batched_tokens < args.max_num_seqs:
         raise CLIError("--max-num-batched-tokens must be >= --max-num-seqs")
 
@@ -148,6 +158,22 @@ def _kv_events_config(args: argparse.Namespace) -> None:
     args.kv_events = args.kv_events or cfg.get("endpoint", "tcp://*:5557")
     args.kv_events_replay = args.kv_events_replay or cfg.get("replay_endpoint")
     args.kv_events_topic = args.kv_events_topic or cfg.get("topic", "")
+
+
+def api_key_middleware(key: str):
+    """vLLM's ``--api-key`` rule: ``/v1/*`` needs ``Authorization: Bearer KEY``, else 401
+    ``{"error": "Unauthorized"}``; the other routes (health, metrics, tokenize, PD) stay open."""
+    want = hashlib.sha256(key.encode()).digest()
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        if request.path.startswith("/v1") and request.method != "OPTIONS":
+            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(hashlib.sha256(token.encode()).digest(), want):
+                return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    return check
 
 
 def _engine(args: argparse.Namespace) -> EngineModel:
@@ -176,8 +202,8 @@ async def _serve(args: argparse.Namespace, engine: EngineModel, publisher: KVEve
     extra = ""
     if args.flavor == "sglang":
         rooms = Rooms()
-        puller: KVPuller = (RoomPuller(args.block_size, args.disaggregation_waiting_timeout)
-                            if args.role == "decode" else KVPuller())
+        puller: KVPuller = (RoomPuller(args.block_size, args.disaggregation_waiting_timeout, peers=args.kv_peers)
+                            if args.role == "decode" else KVPuller(peers=args.kv_peers))
         metrics = SGLangMetrics(engine, name, args.role,
                                 lambda: (len(rooms), puller.waiting if isinstance(puller, RoomPuller) else 0))
         driver = EngineDriver(engine, time_scale=args.time_scale, metrics=metrics, publisher=publisher)  # type: ignore[arg-type]
@@ -195,7 +221,8 @@ async def _serve(args: argparse.Namespace, engine: EngineModel, publisher: KVEve
         metrics = EngineMetrics(engine, name)
         driver = EngineDriver(engine, time_scale=args.time_scale, metrics=metrics, publisher=publisher)
         rooms = Rooms()
-        puller = MooncakePuller(args.kv_transfer_timeout) if args.role == "decode" else KVPuller()
+        puller = (MooncakePuller(args.kv_transfer_timeout, peers=args.kv_peers) if args.role == "decode"
+                  else KVPuller(peers=args.kv_peers))
         api = MooncakeApi(info, driver, metrics, puller, rooms=rooms)
         if args.role == "prefill":
             boot = web.Application()
@@ -206,9 +233,10 @@ async def _serve(args: argparse.Namespace, engine: EngineModel, publisher: KVEve
     else:
         metrics = EngineMetrics(engine, name)
         driver = EngineDriver(engine, time_scale=args.time_scale, metrics=metrics, publisher=publisher)
-        puller = KVPuller()
+        puller = KVPuller(peers=args.kv_peers)
         api = OpenAIApi(info, driver, metrics, puller)
-    app = web.Application(client_max_size=256 * 1024 * 1024)
+    app = web.Application(client_max_size=256 * 1024 * 1024,
+                          middlewares=[api_key_middleware(args.api_key)] if args.api_key else [])
     app.add_routes(api.routes())
     try:
         info.port = await _listen(app, args.host, args.port, runners, "HTTP server")
