@@ -56,7 +56,9 @@ class EmbeddedCluster:
             port, kv, replay = free_port(), free_port(), free_port()
             protocol, bootstrap = self.cfg.engine, None
             extra = sim_flavor_args(protocol)
-            if protocol != "vllm" and role == "prefill":  # each prefill's bootstrap server on its own port
+            if protocol == "sglang" and role == "prefill":  # it picks a free port; /server_info names it
+                extra += [BOOTSTRAP_FLAGS[protocol], "0"]
+            elif protocol != "vllm" and role == "prefill":  # each prefill's bootstrap server on its own port
                 bootstrap = free_port()
                 extra += [BOOTSTRAP_FLAGS[protocol], str(bootstrap)]
             args = [sys.executable, "-m", "gateway.cli", "sim-engine", "--role", role, "--port", str(port), *extra,
@@ -79,13 +81,24 @@ class EmbeddedCluster:
                         raise RuntimeError(f"embedded engine {e.id} exited with code {p.returncode}")
                     try:
                         async with s.get(e.url + "/health", timeout=aiohttp.ClientTimeout(total=1)) as r:
-                            if r.status == 200:
+                            if r.status == 200 and await self._learn_bootstrap(s, e):
                                 break
                     except (aiohttp.ClientError, asyncio.TimeoutError):
                         pass
                     if time.monotonic() > deadline:
                         raise RuntimeError(f"embedded engine {e.id} not ready after {timeout_s:.0f} s")
                     await asyncio.sleep(0.05)
+
+    @staticmethod
+    async def _learn_bootstrap(s: aiohttp.ClientSession, e: EngineConfig) -> bool:
+        """An SGLang prefill chose its bootstrap port itself (no race for a free one): read it."""
+        if e.protocol != "sglang" or e.role != "prefill" or e.bootstrap_port is not None:
+            return True
+        async with s.get(e.url + "/server_info", timeout=aiohttp.ClientTimeout(total=2)) as r:
+            port = (await r.json()).get("disaggregation_bootstrap_port") if r.status == 200 else None
+        if isinstance(port, int) and port > 0:
+            e.bootstrap_port = port
+        return e.bootstrap_port is not None
 
     def stop(self) -> None:
         for p in self.procs:

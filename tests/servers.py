@@ -70,10 +70,14 @@ def gateway(config_text: str = "", *, log_dir: str | None = None):
         cfg = os.path.join(d, "conductor.toml")
         with open(cfg, "w") as f:
             f.write(config_text)
-        proc = conductor("serve", "--config", cfg, "--port", str(port), "--log-level", "warning",
-                         log=os.path.join(log_dir or d, "gateway.log"))
+        log = os.path.join(log_dir or d, "gateway.log")
+        proc = conductor("serve", "--config", cfg, "--port", str(port), "--log-level", "warning", log=log)
         try:
-            wait_until(f"http://127.0.0.1:{port}/ready", proc, timeout_s=90)
+            try:
+                wait_until(f"http://127.0.0.1:{port}/ready", proc, timeout_s=90)
+            except (RuntimeError, TimeoutError) as e:  # say why: the gateway's own last words
+                with open(log, errors="replace") as f:
+                    raise RuntimeError(f"{e}; gateway log ends: {f.read()[-2000:]}") from None
             yield {"url": f"http://127.0.0.1:{port}", "proc": proc, "dir": d}
         finally:
             stop(proc)
