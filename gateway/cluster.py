@@ -22,11 +22,6 @@ from scheduler import Instance, Scheduler
 
 log = logging.getLogger(__name__)
 
-#: The engine flavour (PD protocol, metric names, KV-event wire) each configured ``kind`` speaks:
-#: the sim engine mirrors vLLM 0.33.
-KIND_FLAVORS = {"vllm": "vllm", "sim": "vllm"}
-
-
 def build_scheduler(cfg: GatewayConfig, engines: list[EngineConfig]) -> Scheduler:
     """The scheduler for these engines, predicting from their public deployments and the
     configured prior; a bad policy, parameter or deployment raises ValueError."""
@@ -34,7 +29,7 @@ def build_scheduler(cfg: GatewayConfig, engines: list[EngineConfig]) -> Schedule
     if cfg.policy.startswith("conductor"):
         params.setdefault("peer_pull", cfg.peer_kv_pull)
     instances = [Instance(e.id, e.role, deployment=e.deployment, healthy=False, kv_capacity_tokens=e.kv_capacity_tokens,
-                          max_model_len=e.max_model_len) for e in engines]
+                          max_model_len=e.max_model_len, protocol=e.flavor) for e in engines]
     return Scheduler(instances, policy=cfg.policy, slo=cfg.slo, block_size=cfg.block_size, clock=time.monotonic,
                      predictors=_predictors(cfg), early_rejection=cfg.early_rejection,
                      admission=cfg.admission,
@@ -68,11 +63,11 @@ class Cluster:
         conn = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
         self.session = aiohttp.ClientSession(connector=conn, auto_decompress=False)
         for e in self.engines.values():
-            fl = flavor(KIND_FLAVORS[e.kind])
+            fl = flavor(e.flavor)
             self.clients[e.id] = EngineClient(self.session, e.id, e.url, flavor=fl.name,
                                               api_key=e.api_key or self.cfg.auth.engine_api_key,
                                               connect_timeout_s=self.cfg.upstream_connect_timeout_s,
-                                              timeout_s=self.cfg.upstream_timeout_s)
+                                              timeout_s=self.cfg.upstream_timeout_s, bootstrap_port=e.bootstrap_port)
             self.drivers[e.id] = fl.driver
             if e.kv_events:
                 self._subscribe(e)
@@ -87,7 +82,7 @@ class Cluster:
     def _subscribe(self, e: EngineConfig) -> None:
         sub = KVEventSubscriber(self._zmq, e.id, e.kv_events, self.scheduler.index, engine_url=e.url,
                                 replay_endpoint=e.kv_events_replay,
-                                decode=flavor(KIND_FLAVORS[e.kind]).decode_kv_batch)
+                                decode=flavor(e.flavor).decode_kv_batch)
         sub.open()
         self.subscribers[e.id] = sub
         self._sub_tasks[e.id] = asyncio.create_task(self._keep_subscribed(sub), name=f"kv-events-{e.id}")
@@ -211,6 +206,8 @@ class Cluster:
             if e is not None:
                 inst["url"] = e.url
                 inst["kind"] = e.kind
+                inst["engine"] = e.kind  # the software (vllm, sglang, or the sim engine) ...
+                inst["protocol"] = e.flavor  # ... and the PD protocol / KV-event wire it speaks
                 inst["healthy"] = self.healthy.get(e.id, False)
                 inst["consecutive_failures"] = self.failures.get(e.id, 0)
                 sub = self.subscribers.get(e.id)
