@@ -17,6 +17,7 @@ from engines_adapters.drivers import Pair, PairDriver, UpstreamUnavailable, flav
 from engines_adapters.engine_client import EngineClient
 from engines_adapters.kv_events import KVEventSubscriber
 from gateway.config import EngineConfig, GatewayConfig
+from gateway.store_tier import StoreTier
 from predictors.analytic import analytic_predictors
 from predictors.base import Predictors
 from predictors.learned import learned_predictors
@@ -27,11 +28,6 @@ T = TypeVar("T")
 #: how often a healthy engine's served models are asked again (they rarely change)
 MODELS_EVERY_S = 1.0
 
-#: The engine flavour (PD protocol, metric names, KV-event wire) each configured ``kind`` speaks:
-#: the sim engine mirrors vLLM 0.33.
-KIND_FLAVORS = {"vllm": "vllm", "sim": "vllm"}
-
-
 def build_scheduler(cfg: GatewayConfig, engines: list[EngineConfig]) -> Scheduler:
     """The scheduler for these engines, predicting from their public deployments and the
     configured prior; a bad policy, parameter or deployment raises ValueError."""
@@ -39,7 +35,7 @@ def build_scheduler(cfg: GatewayConfig, engines: list[EngineConfig]) -> Schedule
     if cfg.policy.startswith("conductor"):
         params.setdefault("peer_pull", cfg.peer_kv_pull)
     instances = [Instance(e.id, e.role, deployment=e.deployment, healthy=False, kv_capacity_tokens=e.kv_capacity_tokens,
-                          max_model_len=e.max_model_len) for e in engines]
+                          max_model_len=e.max_model_len, protocol=e.flavor) for e in engines]
     return Scheduler(instances, policy=cfg.policy, slo=cfg.slo, block_size=cfg.block_size, clock=time.monotonic,
                      predictors=_predictors(cfg), early_rejection=cfg.early_rejection,
                      admission=cfg.admission,
@@ -73,6 +69,7 @@ class Cluster:
         self._open: dict[str, dict[object, Callable[[str], None]]] = {e.id: {} for e in engines}
         self._models_at: dict[str, float] = {}
         self._served: dict[str, list[dict]] = {}  # each engine's /v1/models entries, last known
+        self.store_tier: StoreTier | None = None
 
     async def start(self) -> None:
         """Open the engines' clients, the KV-event subscribers, the first health poll; a failure
@@ -90,22 +87,26 @@ class Cluster:
         conn = aiohttp.TCPConnector(limit=limit, ttl_dns_cache=300, keepalive_timeout=30)
         self.session = aiohttp.ClientSession(connector=conn, auto_decompress=False)
         for e in self.engines.values():
-            fl = flavor(KIND_FLAVORS[e.kind])
+            fl = flavor(e.flavor)
             self.clients[e.id] = EngineClient(self.session, e.id, e.url, flavor=fl.name,
                                               api_key=e.api_key or self.cfg.auth.engine_api_key,
                                               connect_timeout_s=self.cfg.upstream_connect_timeout_s,
                                               timeout_s=self.cfg.upstream_timeout_s,
                                               first_byte_timeout_s=self.cfg.upstream_first_byte_timeout_s,
-                                              health_timeout_s=self.cfg.health_timeout_s)
+                                              health_timeout_s=self.cfg.health_timeout_s,
+                                              bootstrap_port=e.bootstrap_port)
             self.drivers[e.id] = fl.driver
         self.open_kv_events()
         self._subscribe_all()
+        if self.cfg.store is not None:
+            st = self.cfg.store
+            self.store_tier = StoreTier(st, self.cfg.block_size, st.model or "")
+            if not await self.store_tier.start():
+                log.warning("store %s does not answer yet: its tier stays off until it does", st.url)
         await self.poll_once()
         for eid in self.clients:  # one loop per engine: a hung engine never delays another's checks
             self._tasks.append(asyncio.create_task(self._watch(eid), name=f"health-{eid}"))
-        reload_models = getattr(self.scheduler.predictors, "reload_if_changed", None)
-        if reload_models is not None:
-            self._tasks.append(asyncio.create_task(self._reload_predictors(reload_models), name="predictors-reload"))
+        self._tasks.append(asyncio.create_task(self._side_checks(), name="side-checks"))
 
     def open_kv_events(self) -> None:
         """Bind (or connect) every engine's KV-event socket, once. Called before engines start,
@@ -116,7 +117,7 @@ class Cluster:
             if e.kv_events and e.id not in self.subscribers:
                 sub = KVEventSubscriber(self._zmq, e.id, e.kv_events, self.scheduler.index, engine_url=e.url,
                                         replay_endpoint=e.kv_events_replay,
-                                        decode=flavor(KIND_FLAVORS[e.kind]).decode_kv_batch)
+                                        decode=flavor(e.flavor).decode_kv_batch)
                 try:
                     sub.open()
                 except zmq.ZMQError as err:
@@ -146,6 +147,17 @@ class Cluster:
             backoff = min(backoff * 2, 5.0)
             sub.resync()  # run() reopens the socket; a failure to (e.g. port not yet free) loops here
 
+    def watch_subscriber(self, sub: KVEventSubscriber) -> None:
+        """Keep a subscriber registered at run time (the indexer API's /register) running."""
+        self._sub_tasks[f"registered:{id(sub)}"] = asyncio.create_task(self._keep_subscribed(sub),
+                                                                       name=f"kv-events-{sub.instance_id}")
+
+    def unwatch_subscriber(self, sub: KVEventSubscriber) -> None:
+        task = self._sub_tasks.pop(f"registered:{id(sub)}", None)
+        if task is not None:
+            task.cancel()
+            task.add_done_callback(lambda _t: sub.close())
+
     async def stop(self, timeout_s: float = 3.0) -> None:
         """Stop within ``timeout_s`` whatever the engines and tasks do: nothing here may wait on
         an engine (a hung one never answers) or on a task that ignores its cancellation."""
@@ -171,6 +183,13 @@ class Cluster:
             except TimeoutError:
                 log.warning("shutdown: engine connections did not close in time")
             self.session = None
+        if self.store_tier is not None:
+            try:
+                async with asyncio.timeout(max(0.1, deadline - time.monotonic())):
+                    await self.store_tier.stop()
+            except TimeoutError:
+                log.warning("shutdown: the store tier did not stop in time")
+            self.store_tier = None
         for sub in self.subscribers.values():
             sub.close()
         # destroy, not term: term blocks until every socket is closed, and one left open (a
@@ -190,18 +209,25 @@ class Cluster:
                 log.exception("health poll of %s failed", eid)
             await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
 
-    async def _reload_predictors(self, reload_models: Callable[[], object]) -> None:
-        """Learned predictors: a recalibrated models.json is picked up, checked every health interval."""
+    async def _side_checks(self) -> None:
+        """Every health interval, beside the engines' own probes: the shared store's health, and
+        learned predictors' models.json (a recalibrated one is picked up)."""
+        reload_models = getattr(self.scheduler.predictors, "reload_if_changed", None)
         while True:
             await asyncio.sleep(self.cfg.health_interval_s)
             try:
-                reload_models()
-            except Exception:
-                log.exception("reloading the predictors failed")
+                if self.store_tier is not None:
+                    await self.store_tier.check()
+                if reload_models is not None:
+                    reload_models()
+            except Exception:  # checking must outlive any one bad answer
+                log.exception("store check or predictor reload failed")
 
     async def poll_once(self) -> None:
         ids = list(self.clients)
         self._learn_models(dict(zip(ids, await asyncio.gather(*(self._poll(i) for i in ids)), strict=True)))
+        if self.store_tier is not None:
+            await self.store_tier.check()
 
     def _learn_models(self, answers: dict[str, list[dict] | None]) -> None:
         """The served models and LoRA adapters: the union of each engine's last /v1/models list."""
@@ -307,11 +333,15 @@ class Cluster:
 
     def admin_view(self) -> dict:
         snap = self.scheduler.snapshot()
+        if self.store_tier is not None:
+            snap["store"] = self.store_tier.view()
         for inst in snap.get("instances", []):
             e = self.engines.get(inst["id"])
             if e is not None:
                 inst["url"] = e.url
                 inst["kind"] = e.kind
+                inst["engine"] = e.kind  # the software (vllm, sglang, or the sim engine) ...
+                inst["protocol"] = e.flavor  # ... and the PD protocol / KV-event wire it speaks
                 inst["healthy"] = self.healthy.get(e.id, False)
                 inst["consecutive_failures"] = self.failures.get(e.id, 0)
                 sub = self.subscribers.get(e.id)

@@ -1,21 +1,22 @@
 """The embedded simulated cluster: `conductor serve` with no configuration starts sim engines
-as child processes on loopback (each with KV events) and routes to them."""
+as child processes on loopback (each with KV events) and routes to them; ``[embedded] engine =
+"sglang"`` starts them as SGLang engines (``--flavor sglang``) driven with SGLang's PD protocol.
+Beside them, unless ``[embedded] store = false``, one ``conductor sim-store`` that the prefill
+engines load from and write through to, and whose KV events feed the gateway's store tier."""
 from __future__ import annotations
 
 import asyncio
 import os
-import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import aiohttp
 
 from engines_adapters.net import free_port
 from engines_adapters.sim.profiles import load_profile
-from gateway.config import EmbeddedConfig, EngineConfig
+from gateway.config import EmbeddedConfig, EngineConfig, StoreConfig
 
 
 def _die_with_parent() -> None:
@@ -30,7 +31,16 @@ def _die_with_parent() -> None:
         pass  # not Linux: stop() still ends the engines on a normal shutdown
 
 
-#: every embedded engine process alive, for a gateway that must end at once (its shutdown overran)
+#: How a sim engine is told to speak each protocol, and where its prefill's bootstrap server listens.
+BOOTSTRAP_FLAGS = {"sglang": "--disaggregation-bootstrap-port", "vllm-mooncake": "--mooncake-bootstrap-port"}
+
+
+def sim_flavor_args(protocol: str) -> list[str]:
+    return {"vllm": ["--flavor", "vllm"], "sglang": ["--flavor", "sglang"],
+            "vllm-mooncake": ["--flavor", "vllm", "--kv-connector", "mooncake"]}[protocol]
+
+
+#: every embedded process alive, for a gateway that must end at once (its shutdown overran)
 _LIVE: set[subprocess.Popen] = set()
 
 
@@ -43,95 +53,98 @@ def kill_all() -> None:
             pass
 
 
-_READY = re.compile(rb"^sim-engine ready: http://[^ ]+:(\d+) ")
-
-
-def _relay(p: subprocess.Popen, port: list[int]) -> None:
-    """Pass an engine's stdout on to ours, noting the port its ready line names."""
-    assert p.stdout is not None
-    for line in p.stdout:
-        m = _READY.match(line)
-        if m and not port:
-            port.append(int(m.group(1)))
-        try:
-            sys.stdout.buffer.write(line)
-            sys.stdout.flush()
-        except (OSError, ValueError):
-            pass
-
-
 class EmbeddedCluster:
     def __init__(self, cfg: EmbeddedConfig):
         self.cfg = cfg
         self.procs: list[subprocess.Popen] = []
         self.engines: list[EngineConfig] = []
-        self._ports: list[list[int]] = []  # per engine: its HTTP port once it said
+        self.store: StoreConfig | None = None  # the embedded store, once started
+        self._store_proc: subprocess.Popen | None = None
+
+    def _start_store(self, env: dict[str, str]) -> StoreConfig:
+        port, events = free_port(), free_port()
+        args = [sys.executable, "-m", "gateway.cli", "sim-store", "--port", str(port),
+                "--kv-events", f"tcp://127.0.0.1:{events}", "--dram-gb", str(self.cfg.store_gb),
+                "--nodes", str(max(1, self.cfg.prefill + self.cfg.both)), "--time-scale", str(self.cfg.time_scale)]
+        self.procs.append(subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent))
+        _LIVE.add(self.procs[-1])
+        self._store_proc = self.procs[-1]
+        return StoreConfig(url=f"http://127.0.0.1:{port}", kv_events=f"tcp://127.0.0.1:{events}",
+                           model=load_profile(self.cfg.profile).model["name"], hash_seed=env["PYTHONHASHSEED"],
+                           key_recipe=self._store_recipe())
+
+    def _store_recipe(self) -> str:
+        """The engines' store keys: SGLang HiCache's for SGLang engines, vLLM's store connector's else."""
+        return "sglang" if self.cfg.engine == "sglang" else "vllm"
 
     def start(self) -> list[EngineConfig]:
-        self.plan()
-        return self.launch()
-
-    def plan(self) -> list[EngineConfig]:
-        """The engines' configurations, before any starts: each KV-event endpoint has port 0, for
-        the gateway to bind first (``Cluster.open_kv_events`` writes the real port back)."""
+        env = {**os.environ, "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED", "0")}
+        if self.cfg.store:
+            self.store = self._start_store(env)
         roles = ["prefill"] * self.cfg.prefill + ["decode"] * self.cfg.decode + ["both"] * self.cfg.both
         counters: dict[str, int] = {}
         # the gateway gets only the public deployment the engines emulate (never their calibration),
         # time-scaled when they run at a time scale so predictions are in wall-clock seconds
         deployment = load_profile(self.cfg.profile).deployment.time_scaled(self.cfg.time_scale).name
-        for role in roles:
+        for i, role in enumerate(roles):
             counters[role] = counters.get(role, 0) + 1
             eid = f"{role}-{counters[role]}"
-            replay = free_port()
-            # port 0: the engine binds a port of the OS's choosing and says which (see launch)
-            self.engines.append(EngineConfig(id=eid, role=role, url="http://127.0.0.1:0", kind="sim",
-                                             kv_events="tcp://127.0.0.1:0",
-                                             kv_events_replay=f"tcp://127.0.0.1:{replay}",
-                                             deployment=deployment))
-        return self.engines
-
-    def launch(self) -> list[EngineConfig]:
-        """Start the planned engines (a KV-event endpoint still at port 0 gets a free port). Each
-        binds its HTTP port itself (``--port 0``) and prints it; ``wait_ready`` reads it. No port
-        is chosen here for an engine to bind later: another socket could take it meanwhile, even
-        our own health checks (a loopback connect to a port not yet bound can connect to itself)."""
-        env = {**os.environ, "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED", "0")}
-        for i, e in enumerate(self.engines):
-            if e.kv_events == "tcp://127.0.0.1:0":
-                e.kv_events = f"tcp://127.0.0.1:{free_port()}"
-            args = [sys.executable, "-m", "gateway.cli", "sim-engine", "--role", e.role, "--port", "0",
-                    "--kv-events", e.kv_events, "--kv-events-replay", e.kv_events_replay or "",
+            port, kv, replay = free_port(), free_port(), free_port()
+            protocol, bootstrap = self.cfg.engine, None
+            extra = sim_flavor_args(protocol)
+            if protocol == "sglang" and role == "prefill":  # it picks a free port; /server_info names it
+                extra += [BOOTSTRAP_FLAGS[protocol], "0"]
+            elif protocol != "vllm" and role == "prefill":  # each prefill's bootstrap server on its own port
+                bootstrap = free_port()
+                extra += [BOOTSTRAP_FLAGS[protocol], str(bootstrap)]
+            args = [sys.executable, "-m", "gateway.cli", "sim-engine", "--role", role, "--port", str(port), *extra,
+                    "--kv-events", f"tcp://127.0.0.1:{kv}", "--kv-events-replay", f"tcp://127.0.0.1:{replay}",
                     "--profile", self.cfg.profile, "--time-scale", str(self.cfg.time_scale),
                     "--seed", str(self.cfg.seed + i), *self.cfg.extra_args]
-            p = subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                 preexec_fn=_die_with_parent)
-            self.procs.append(p)
-            _LIVE.add(p)
-            self._ports.append([])
-            threading.Thread(target=_relay, args=(p, self._ports[-1]), daemon=True, name=f"stdout-{e.id}").start()
+            if self.store is not None and role != "decode":  # optional: the engine starts before the store answers
+                args += ["--kv-store", self.store.url, "--kv-store-optional", "--kv-store-recipe", self._store_recipe()]
+            self.procs.append(subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent))
+            _LIVE.add(self.procs[-1])
+            self.engines.append(EngineConfig(id=eid, role=role, url=f"http://127.0.0.1:{port}", kind="sim",
+                                             kv_events=f"tcp://127.0.0.1:{kv}",
+                                             kv_events_replay=f"tcp://127.0.0.1:{replay}",
+                                             deployment=deployment, protocol=protocol, bootstrap_port=bootstrap))
         return self.engines
 
     async def wait_ready(self, timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s
+        waits: list[tuple[str, str, subprocess.Popen, EngineConfig | None]] = [
+            (e.id, e.url, p, e) for e, p in zip(self.engines, self.procs[-len(self.engines):], strict=True)]
+        if self.store is not None:
+            waits.insert(0, ("store", self.store.url, self._store_proc, None))
         async with aiohttp.ClientSession() as s:
-            for e, p, port in zip(self.engines, self.procs, self._ports, strict=True):
+            for eid, url, p, e in waits:
                 while True:
                     if p.poll() is not None:
-                        raise RuntimeError(f"embedded engine {e.id} exited with code {p.returncode}")
-                    if port:  # bound and listening: health checks are safe now
-                        e.url = f"http://127.0.0.1:{port[0]}"
-                        try:
-                            async with s.get(e.url + "/health", timeout=aiohttp.ClientTimeout(total=1)) as r:
-                                if r.status == 200:
-                                    break
-                        except (aiohttp.ClientError, asyncio.TimeoutError):
-                            pass
+                        raise RuntimeError(f"embedded engine {eid} exited with code {p.returncode}")
+                    try:
+                        async with s.get(url + "/health", timeout=aiohttp.ClientTimeout(total=1)) as r:
+                            if r.status == 200 and (e is None or await self._learn_bootstrap(s, e)):
+                                break
+                    except (aiohttp.ClientError, asyncio.TimeoutError):
+                        pass
                     if time.monotonic() > deadline:
-                        raise RuntimeError(f"embedded engine {e.id} not ready after {timeout_s:.0f} s")
+                        raise RuntimeError(f"embedded engine {eid} not ready after {timeout_s:.0f} s")
                     await asyncio.sleep(0.05)
 
+    @staticmethod
+    async def _learn_bootstrap(s: aiohttp.ClientSession, e: EngineConfig) -> bool:
+        """An SGLang prefill chose its bootstrap port itself (no race for a free one): read it."""
+        if e.protocol != "sglang" or e.role != "prefill" or e.bootstrap_port is not None:
+            return True
+        async with s.get(e.url + "/server_info", timeout=aiohttp.ClientTimeout(total=2)) as r:
+            port = (await r.json()).get("disaggregation_bootstrap_port") if r.status == 200 else None
+        if isinstance(port, int) and port > 0:
+            e.bootstrap_port = port
+        return e.bootstrap_port is not None
+
     def stop(self, timeout_s: float = 2.0) -> None:
-        """Stop every engine within ``timeout_s``: SIGTERM (and SIGCONT, so a stopped one hears
+        """Stop every process within ``timeout_s``: SIGTERM (and SIGCONT, so a stopped one hears
         it), then SIGKILL whatever is still there at the deadline."""
         for p in self.procs:
             if p.poll() is None:
