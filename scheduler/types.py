@@ -63,6 +63,11 @@ class RequestFacts:
     block_hashes: list[int]  # scheduler.hashing.block_hashes(prompt_token_ids, block_size)
     max_tokens: int  # expected output tokens
     slo: SLO | None = None  # per-request override; a None field means "use the configured one"
+    # who asked and for what (recorded in the explanation; a priority class tightens admission)
+    tenant: str | None = None
+    model: str | None = None
+    adapter: str | None = None
+    priority: str | None = None  # a class of the scheduler's ``priority_headroom``; None: full SLO
 
 
 @dataclass(slots=True)
