@@ -35,7 +35,7 @@ def build_scheduler(cfg: GatewayConfig, engines: list[EngineConfig]) -> Schedule
     return Scheduler(instances, policy=cfg.policy, slo=cfg.slo, block_size=cfg.block_size, clock=time.monotonic,
                      predictors=analytic_predictors(prior=cfg.prior), early_rejection=cfg.early_rejection,
                      admission=cfg.admission,
-                     keep_decisions=cfg.keep_decisions, **params)
+                     keep_decisions=cfg.keep_decisions, priority_headroom=cfg.priority_headroom, **params)
 
 
 class Cluster:
