@@ -50,6 +50,7 @@ class Cluster:
         self.failures: dict[str, int] = {e.id: 0 for e in engines}
         self.models: list[str] = []
         self.adapters: set[str] = set()  # LoRA adapters the engines list (a /v1/models entry with a parent)
+        self.cards: dict[str, dict] = {}  # each model's card as an engine listed it (/v1/models)
         self._zmq = zmq.asyncio.Context()
         self._tasks: list[asyncio.Task] = []
         self._sub_tasks: dict[str, asyncio.Task] = {}
@@ -120,12 +121,25 @@ class Cluster:
         results = await asyncio.gather(*(self._poll(i) for i in ids))
         models: set[str] = set()
         adapters: set[str] = set()
-        for cards in results:
+        for eid, cards in zip(ids, results, strict=True):
+            cards = self._routed_cards(eid, cards)
             models.update(m["id"] for m in cards)
             adapters.update(m["id"] for m in cards if m.get("parent") and m.get("parent") != m["id"])
         if models:
             self.models = sorted(models)
             self.adapters = adapters
+
+    def _routed_cards(self, eid: str, cards: list[dict]) -> list[dict]:
+        """The engine's model cards the gateway routes to it (all, or those its config names);
+        the scheduler learns them: a request goes only where its model or adapter is served."""
+        allowed = self.engines[eid].models
+        if allowed is not None:
+            cards = [m for m in cards if m["id"] in allowed]
+        if cards:  # an engine that did not answer keeps what it served
+            for m in cards:
+                self.cards.setdefault(m["id"], m)
+            self.scheduler.set_models(eid, [m["id"] for m in cards])
+        return cards
 
     async def _poll(self, eid: str) -> list[dict]:
         client = self.clients[eid]

@@ -36,6 +36,8 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model card's
     profile: str | None = None  # deprecated alias of deployment
     api_key: str | None = field(default=None, repr=False)  # sent as a Bearer token (vLLM --api-key)
+    # model names (base models, LoRA adapters) routed to this engine; None: all its /v1/models lists
+    models: list[str] | None = None
 
 
 @dataclass
@@ -170,6 +172,9 @@ def validate(cfg: GatewayConfig) -> None:
             load_deployment(e.deployment)
         except KeyError as err:
             raise ConfigError(f"engine {e.id}: {err.args[0]}") from None
+        if e.models is not None and (not isinstance(e.models, list) or not e.models
+                                     or not all(isinstance(m, str) and m for m in e.models)):
+            raise ConfigError(f"engine {e.id}: models must be a non-empty list of model names")
         if e.api_key is not None and (not isinstance(e.api_key, str) or not e.api_key):
             raise ConfigError(f"engine {e.id}: api_key must be a non-empty string")
         for name in ("kv_capacity_tokens", "max_model_len"):

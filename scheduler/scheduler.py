@@ -102,6 +102,9 @@ class Scheduler:
         self._kv_capacity: dict[str, int] = {}
         self._group: dict[str, Any] = {}
         self._pool_cache: _Pools | None = None
+        # model names (base models and LoRA adapters) each instance serves, once known
+        # (``set_models``); an instance without an entry serves whatever it is asked
+        self._models: dict[str, frozenset[str]] = {}
         for inst in instances:
             if not self.add_instance(inst):
                 raise ValueError(f"duplicate instance id {inst.id!r}")
@@ -168,6 +171,25 @@ class Scheduler:
             self._pool_cache = None
         return changed
 
+    def set_models(self, instance_id: str, models: Iterable[str] | None) -> bool:
+        """The model names an instance answers to (its base models and loaded LoRA adapters, as
+        its ``/v1/models`` lists them); a request naming a model is placed only on instances
+        serving it, prefill and decode side alike. None: forget (serves anything). True on a change."""
+        if not self._known(instance_id):
+            return False
+        new = None if models is None else frozenset(models)
+        if self._models.get(instance_id) == new:
+            return False
+        if new is None:
+            self._models.pop(instance_id, None)
+        else:
+            self._models[instance_id] = new
+        return True
+
+    def serves(self, instance_id: str, model: str) -> bool:
+        names = self._models.get(instance_id)
+        return names is None or model in names
+
     def max_model_len(self) -> int:
         """The longest context any known instance takes (0 with none): the gateway bounds a
         prompt's size by it before tokenizing."""
@@ -179,6 +201,7 @@ class Scheduler:
             return False
         del self._instances[instance_id], self._healthy[instance_id], self._max_len[instance_id]
         del self._group[instance_id], self._deployment[instance_id], self._kv_capacity[instance_id]
+        self._models.pop(instance_id, None)
         self._pool_cache = None
         self.index.unregister(instance_id)
         self.ledger.remove_instance(instance_id)
@@ -212,6 +235,15 @@ class Scheduler:
         if not exclude:
             self._pool_cache = pools
         return pools
+
+    def _for_model(self, pools: _Pools, model: str) -> _Pools:
+        """The candidates serving ``model`` (an adapter counts only where it is loaded)."""
+        serves = self.serves
+        prefill = [i for i in pools.prefill if serves(i.id, model)]
+        if not prefill and pools.prefill:
+            raise _Refused(UNAVAILABLE, "model_not_served",
+                           f"no healthy prefill instance serves model {model!r}")
+        return _Pools(prefill, [i for i in pools.decode if serves(i.id, model)], self._max_len)
 
     # --- request lifecycle --------------------------------------------------------------
     def decide(self, facts: RequestFacts) -> Placement | Rejection:
@@ -348,6 +380,9 @@ class Scheduler:
     def _eligible(self, ctx: DecisionContext, exclude: frozenset[str]) -> None:
         facts = ctx.facts
         pools = self._pools(exclude)
+        model = getattr(facts, "model", None)
+        if model is not None and self._models:
+            pools = self._for_model(pools, model)
         if not pools.prefill:
             raise _Refused(UNAVAILABLE, "no_healthy_prefill", "no healthy prefill instance")
         need = facts.prompt_tokens + facts.max_tokens

@@ -79,3 +79,32 @@ def test_records_carry_the_class_and_labels_and_unknown_classes_get_the_whole_sl
 def test_bad_headroom_is_refused_at_construction(bad):
     with pytest.raises(ValueError, match="priority_headroom"):
         Scheduler([Instance("a", "both")], priority_headroom=bad)
+
+
+def test_requests_go_only_to_instances_serving_their_model_or_adapter():
+    """Several models and LoRA adapters: an instance's served names (its /v1/models) bound where a
+    request may go, prefill and decode side alike; unknown sets serve anything."""
+    sched = Scheduler([Instance("pa", "prefill"), Instance("pb", "prefill"), Instance("da", "decode"),
+                       Instance("db", "decode"), Instance("both", "both")], block_size=BS)
+
+    def place(model, k):
+        d = sched.decide(RequestFacts(f"m{k}", 64, block_hashes(toks(k, 64), BS), 4, model=model))
+        return d if isinstance(d, Rejection) else (d.prefill, d.decode)
+
+    assert sched.set_models("pa", ["base", "sql-lora"]) and sched.set_models("da", ["base", "sql-lora"])
+    assert sched.set_models("pb", ["base"]) and sched.set_models("db", ["base"])
+    assert sched.set_models("both", ["other"]) and not sched.set_models("both", ["other"])
+    assert not sched.set_models("nope", ["x"])
+    seen = {place("sql-lora", k) for k in range(30)}
+    assert seen == {("pa", "da")}  # the adapter is loaded on pa and da only
+    assert {place("other", k) for k in range(30, 40)} == {("both", "both")}
+    base = {place("base", k) for k in range(40, 80)}
+    assert {p for p, _ in base} <= {"pa", "pb"} and {d for _, d in base} <= {"da", "db"}
+    r = place("missing", 99)
+    assert isinstance(r, Rejection) and (r.status, r.reason) == (503, "model_not_served")
+    assert place(None, 100) is not None  # no model named: anywhere
+    sched.set_healthy("pa", False)
+    r = place("sql-lora", 101)
+    assert isinstance(r, Rejection) and r.reason == "model_not_served"
+    sched.set_models("pb", None)  # forgotten: serves whatever it is asked (da still decodes it)
+    assert place("sql-lora", 102) == ("pb", "da")

@@ -48,7 +48,11 @@ def build_parser() -> Parser:
     p.add_argument("--host", default="127.0.0.1", help="loopback address to bind (default 127.0.0.1)")
     p.add_argument("--flavor", default="vllm", help="protocol flavour (only vllm is implemented)")
     p.add_argument("--profile", default="llama3-8b-h200", help=f"timing profile: {', '.join(profile_names())}")
-    p.add_argument("--served-model-name", help="model name to answer to (default: the profile's short name)")
+    p.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                   help="model names to answer to, the first in responses (default: the profile's short name)")
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters served, as vLLM's: each a model name of its own with its own prefix-cache "
+                        "namespace (the simulated adapter costs nothing extra)")
     p.add_argument("--time-scale", type=positive_float, default=1.0,
                    help="real seconds per modelled second (0.01 = 100x faster)")
     p.add_argument("--seed", type=int, default=0, help="seed for noise, output text and lengths")
@@ -101,6 +105,13 @@ def _check(args: argparse.Namespace) -> None:
             args.kv_peers = frozenset(parse_peer(x) for x in args.kv_peers.split(",") if x.strip())
         except ValueError as e:
             raise CLIError(f"--kv-peers: {e}") from None
+    loras = {}
+    for spec in args.lora_modules:
+        lname, eq, path = spec.partition("=")
+        if not eq or not lname or not path:
+            raise CLIError(f"--lora-modules: expected NAME=PATH, got {spec!r}")
+        loras[lname] = path
+    args.lora_modules = loras
     if args.max_num_batched_tokens < args.max_num_seqs:
         raise CLIError("--max-num-batched-tokens must be >= --max-num-seqs")
 
@@ -138,13 +149,15 @@ def _engine(args: argparse.Namespace) -> EngineModel:
 
 async def _serve(args: argparse.Namespace, engine: EngineModel, publisher: KVEventPublisher | None) -> int:
     loop = asyncio.get_running_loop()
-    name = args.served_model_name or engine.profile.served_name
+    names = args.served_model_name or [engine.profile.served_name]
+    name = names[0]
     metrics = EngineMetrics(engine, name)
     driver = EngineDriver(engine, time_scale=args.time_scale, metrics=metrics, publisher=publisher)
     puller = KVPuller(peers=args.kv_peers)
     info = ServerInfo(host=args.host, port=args.port, role=args.role, served_name=name,
                       hf_name=engine.profile.model["name"], max_model_len=engine.max_model_len,
-                      engine_id=f"sim-{uuid.uuid4().hex[:12]}")
+                      engine_id=f"sim-{uuid.uuid4().hex[:12]}", aliases=tuple(names[1:]),
+                      lora_modules=args.lora_modules)
     api = OpenAIApi(info, driver, metrics, puller)
     app = web.Application(client_max_size=256 * 1024 * 1024,
                           middlewares=[api_key_middleware(args.api_key)] if args.api_key else [])
