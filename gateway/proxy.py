@@ -148,11 +148,17 @@ class Proxy:
                 lc.finish("aborted", 499)
                 return Response(status_code=499)
             rec.prompt_tokens, rec.max_tokens = len(tokens), req.max_tokens
-            if key is not None and (over := self.quotas.charge_tokens(key.name, len(tokens) + req.max_tokens)):
+            rec.extra["model"] = req.model
+            if key is not None and (over := self.quotas.charge_tokens(key.name, len(tokens) + req.max_tokens,
+                                                                               rec.request_id)):
                 return self._over_quota(over, lc)
             # a salt or a LoRA adapter is a namespace of the engines' prefix caches: hash within it
             lora = req.model if req.model in self.cluster.adapters else None
             root = namespace_parent(salt, lora) if salt or lora else None
+            if lora is not None:
+                rec.extra["adapter"] = lora
+            if key is not None:
+                rec.extra["priority"] = key.tenant.priority
             facts = RequestFacts(rec.request_id, len(tokens), block_hashes(tokens, self.cfg.block_size, root),
                                  req.max_tokens, slo, tenant=key and key.name, model=req.model, adapter=lora,
                                  priority=key and key.tenant.priority)
@@ -178,7 +184,7 @@ class Proxy:
 
     def _forget(self, rec: RequestRecord) -> None:
         self._live.discard(rec.request_id)
-        self.quotas.release(rec.request_id)
+        self.quotas.release(rec.request_id, refund=rec.prefill_start_s is None)  # no engine worked on it
 
     async def _watching(self, request: Request, work: Awaitable[Response]) -> Response:
         """Run ``work`` (up to the response) while watching for the client leaving. uvicorn does

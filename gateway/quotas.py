@@ -3,7 +3,8 @@
 Pure, clock injected (no I/O, no awaits), so a test drives time by hand. A refusal says how long
 until the bucket holds enough again: the client's ``Retry-After`` comes from the bucket, not a
 guess. Tokens are charged at admission as ``prompt + max_tokens``, the most a request may use
-(as OpenAI counts ``max_tokens`` against a token-per-minute limit).
+(as OpenAI counts ``max_tokens`` against a token-per-minute limit), and given back when no engine
+worked on the request (refused over the SLO, a bad request, nothing healthy).
 """
 from __future__ import annotations
 
@@ -37,6 +38,10 @@ class TokenBucket:
     def take(self, cost: float, now: float) -> None:
         self._refill(now)
         self.level -= cost
+
+    def give_back(self, cost: float, now: float) -> None:
+        self._refill(now)
+        self.level = min(self.capacity, self.level + cost)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +80,7 @@ class Quotas:
                         for k, v in self.limits.items() if v.tokens_per_minute is not None}
         self.in_flight: dict[str, int] = {k: 0 for k in self.limits}
         self._holders: dict[str, str] = {}  # request id -> key holding a concurrency slot
+        self._charged: dict[str, tuple[str, int]] = {}  # request id -> (key, tokens charged)
 
     def arrive(self, key: str, request_id: str) -> Refusal | None:
         """A request of ``key`` arrives: take a request token and a concurrency slot, or refuse
@@ -96,7 +102,7 @@ class Quotas:
         self._holders[request_id] = key
         return None
 
-    def charge_tokens(self, key: str, tokens: int) -> Refusal | None:
+    def charge_tokens(self, key: str, tokens: int, request_id: str = "") -> Refusal | None:
         """Charge ``tokens`` (prompt + max_tokens) to the key's token bucket, or refuse."""
         bucket = self._tokens.get(key)
         if bucket is None:
@@ -111,10 +117,16 @@ class Quotas:
             return Refusal(f"API key {key!r} is over its limit of {self.limits[key].tokens_per_minute:g} tokens "
                            f"a minute", wait, "tokens")
         bucket.take(tokens, now)
+        if request_id:
+            self._charged[request_id] = (key, tokens)
         return None
 
-    def release(self, request_id: str) -> None:
-        """The request finished: its concurrency slot is free (idempotent)."""
+    def release(self, request_id: str, refund: bool = False) -> None:
+        """The request finished: its concurrency slot is free, and with ``refund`` (no engine
+        worked on it) its tokens go back to the bucket. Idempotent."""
         key = self._holders.pop(request_id, None)
         if key is not None:
             self.in_flight[key] -= 1
+        charged = self._charged.pop(request_id, None)
+        if charged is not None and refund:
+            self._tokens[charged[0]].give_back(charged[1], self.clock())

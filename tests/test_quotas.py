@@ -53,3 +53,14 @@ def test_concurrency_cap_holds_until_release_and_release_is_idempotent():
     q2 = Quotas({"a": Limits(requests_per_minute=1, max_concurrent=5)}, clock)
     assert q2.arrive("a", "x") is None and q2.arrive("a", "y") is not None
     assert q2.in_flight["a"] == 1
+
+
+def test_tokens_go_back_only_when_no_engine_worked_on_the_request():
+    clock = Clock(0.0)
+    q = Quotas({"a": Limits(tokens_per_minute=60)}, clock)  # 1 token a second, burst 60
+    assert q.charge_tokens("a", 50, "r1") is None
+    q.release("r1", refund=True)  # refused over the SLO, say: the tokens come back
+    q.release("r1", refund=True)  # once
+    assert q.charge_tokens("a", 60, "r2") is None
+    q.release("r2")  # served: charged
+    assert q.charge_tokens("a", 10, "r3").retry_after_s == 10.0
