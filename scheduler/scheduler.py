@@ -105,6 +105,7 @@ class Scheduler:
         # model names (base models and LoRA adapters) each instance serves, once known
         # (``set_models``); an instance without an entry serves whatever it is asked
         self._models: dict[str, frozenset[str]] = {}
+        self._model_pools: tuple[_Pools | None, dict[str, _Pools]] = (None, {})  # per model, over _pool_cache
         for inst in instances:
             if not self.add_instance(inst):
                 raise ValueError(f"duplicate instance id {inst.id!r}")
@@ -184,6 +185,7 @@ class Scheduler:
             self._models.pop(instance_id, None)
         else:
             self._models[instance_id] = new
+        self._pool_cache = None
         return True
 
     def serves(self, instance_id: str, model: str) -> bool:
@@ -237,13 +239,26 @@ class Scheduler:
         return pools
 
     def _for_model(self, pools: _Pools, model: str) -> _Pools:
-        """The candidates serving ``model`` (an adapter counts only where it is loaded)."""
+        """The candidates serving ``model`` (an adapter counts only where it is loaded); cached
+        per model while the unfiltered pools are."""
+        cached = pools is self._pool_cache
+        if cached:
+            base, by_model = self._model_pools
+            if base is not pools:
+                by_model = {}
+                self._model_pools = (pools, by_model)
+            hit = by_model.get(model)
+            if hit is not None:
+                return hit
         serves = self.serves
         prefill = [i for i in pools.prefill if serves(i.id, model)]
         if not prefill and pools.prefill:
             raise _Refused(UNAVAILABLE, "model_not_served",
                            f"no healthy prefill instance serves model {model!r}")
-        return _Pools(prefill, [i for i in pools.decode if serves(i.id, model)], self._max_len)
+        out = _Pools(prefill, [i for i in pools.decode if serves(i.id, model)], self._max_len)
+        if cached and len(self._model_pools[1]) < 1024:  # bounded: model names come from the engines
+            self._model_pools[1][model] = out
+        return out
 
     # --- request lifecycle --------------------------------------------------------------
     def decide(self, facts: RequestFacts) -> Placement | Rejection:
