@@ -35,6 +35,9 @@ key = "key-trial"
 requests_per_minute = 6
 request_burst = 2
 priority = "sheddable"
+[auth.api_keys.capped]
+key = "key-capped"
+max_concurrent = 2
 """
 
 
@@ -119,3 +122,23 @@ def test_decisions_carry_tenant_model_and_priority_and_filter_by_them(gw):
     assert {d.get("tenant") for d in everyone["decisions"]} >= {"alice", "bob"}
     assert requests.get(gw["url"] + "/admin/decisions", params={"tenant": "bob"},
                         headers=auth("key-bob")).status_code == 403  # a client key is no admin token
+
+
+def test_concurrency_cap_frees_its_slots_however_requests_end(gw):
+    body = {"model": gw["model"], "prompt": "go", "max_tokens": 2000, "stream": True, "ignore_eos": True}
+    url, h = gw["url"] + "/v1/completions", auth("key-capped")
+    for _ in range(5):  # finished requests give their slot back
+        assert requests.post(url, json={**body, "max_tokens": 1, "stream": False}, headers=h).status_code == 200
+    held = [requests.post(url, json=body, headers=h, stream=True) for _ in range(2)]
+    assert [r.status_code for r in held] == [200, 200]
+    third = requests.post(url, json=body, headers=h)
+    assert third.status_code == 429 and third.json()["error"]["code"] == "rate_limited"
+    assert third.headers["retry-after"] == "1" and "in flight" in third.json()["error"]["message"]
+    for r in held:  # the clients leave mid-stream: the gateway aborts them and frees the slots
+        r.close()
+    for _ in range(200):
+        r = requests.post(url, json={**body, "max_tokens": 1, "stream": False}, headers=h)
+        if r.status_code == 200:
+            break
+        threading.Event().wait(0.05)
+    assert r.status_code == 200
