@@ -17,7 +17,9 @@ instance's own (salted) block hashes, as an engine with its own hash seed would 
 Token ids live in ``array``s and requests are built one at a time, so the garbage collector
 walks only what a gateway process would hold. Timings are wall-clock on a shared machine.
 
-Run: ``.venv/bin/python bench/decision_latency.py [--quick]``.
+Run: ``.venv/bin/python bench/decision_latency.py [--quick] [--predictors DIR]`` (``DIR``: learned
+predictors written by ``conductor calibrate``, online correction on: one predictor group per
+instance; the per-policy table is then skipped).
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from predictors.learned import learned_predictors  # noqa: E402
 from scheduler import Instance, RequestFacts, Scheduler  # noqa: E402
 from scheduler.hashing import block_hashes  # noqa: E402
 
@@ -64,12 +67,14 @@ class Engine:
             assert ok, "bench events must be consistent"
 
 
-def build(policy: str, seed: int, quick: bool) -> tuple[Scheduler, dict]:
+def build(policy: str, seed: int, quick: bool, models: str | None = None) -> tuple[Scheduler, dict]:
     rng = random.Random(seed)
     now = [0.0]
     insts = [Instance(f"p{i:02d}", "prefill") for i in range(N_PREFILL)]
     insts += [Instance(f"d{i:02d}", "decode") for i in range(N_DECODE)]
-    sched = Scheduler(insts, policy=policy, clock=lambda: now[0], keep_decisions=1000, seed=seed)
+    predictors = None if models is None else learned_predictors(models)  # online: per-instance groups
+    sched = Scheduler(insts, policy=policy, clock=lambda: now[0], keep_decisions=1000, seed=seed,
+                      predictors=predictors)
     docs = [tokens(rng, rng.randrange(2048, 8192)) for _ in range(64 if quick else 256)]
     sessions: dict[str, list[array]] = {}
     target = (100_000 if quick else 1_000_000) // N_PREFILL
@@ -163,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="100k blocks and fewer decisions (smoke run)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--predictors", metavar="DIR",
+                    help="learned predictors from this conductor calibrate directory (default: analytic)")
     args = ap.parse_args(argv)
 
     rng = random.Random(args.seed)
@@ -175,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     hash_ms = statistics.median(times)
 
     t0 = time.perf_counter()
-    sched, world = build("conductor", args.seed, args.quick)
+    sched, world = build("conductor", args.seed, args.quick, args.predictors)
     build_s = time.perf_counter() - t0
     n = 1000 if args.quick else 5000
     gc.collect()
@@ -196,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     assert d.hit_tokens >= 120000, d
 
     per_policy = {}
-    for name in Scheduler.policy_names():
+    for name in ([] if args.predictors else Scheduler.policy_names()):  # the policies: analytic only
         s2, w2 = build(name, args.seed, quick=True)
         gc.collect()
         lp = run(s2, w2, requests(w2, 1200), warmup=200)
@@ -204,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
 
     out = {
         "instances": {"prefill": N_PREFILL, "decode": N_DECODE},
+        "predictors": args.predictors or "analytic",
         "index_blocks": sum(sum(r["cached_blocks"].values()) for r in snap["instances"]),
         "index_distinct_hashes": snap["totals"]["index_blocks"],
         "build_s": round(build_s, 2),

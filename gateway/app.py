@@ -14,6 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway.admin import decisions_page, number_decisions
+from gateway.admin_predictors import reload as admin_predictors_reload_, status as admin_predictors_status
 from gateway.auth import EdgeGuard
 from gateway.cluster import Cluster
 from gateway.config import GatewayConfig
@@ -114,6 +115,14 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
             return e.response()
 
     app.add_route("/admin/decisions", admin_decisions, methods=["GET"])
+
+    @app.get("/admin/predictors")
+    async def admin_predictors():
+        return admin_predictors_status(cfg, state["cluster"].scheduler)
+
+    @app.post("/admin/predictors/reload")
+    async def admin_predictors_reload(request: Request):
+        return await admin_predictors_reload_(cfg, state["cluster"].scheduler, request)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):

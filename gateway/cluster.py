@@ -15,6 +15,8 @@ from engines_adapters.engine_client import EngineClient
 from engines_adapters.kv_events import KVEventSubscriber
 from gateway.config import EngineConfig, GatewayConfig
 from predictors.analytic import analytic_predictors
+from predictors.base import Predictors
+from predictors.learned import learned_predictors
 from scheduler import Instance, Scheduler
 
 log = logging.getLogger(__name__)
@@ -33,9 +35,15 @@ def build_scheduler(cfg: GatewayConfig, engines: list[EngineConfig]) -> Schedule
     instances = [Instance(e.id, e.role, deployment=e.deployment, healthy=False, kv_capacity_tokens=e.kv_capacity_tokens,
                           max_model_len=e.max_model_len) for e in engines]
     return Scheduler(instances, policy=cfg.policy, slo=cfg.slo, block_size=cfg.block_size, clock=time.monotonic,
-                     predictors=analytic_predictors(prior=cfg.prior), early_rejection=cfg.early_rejection,
+                     predictors=_predictors(cfg), early_rejection=cfg.early_rejection,
                      admission=cfg.admission,
                      keep_decisions=cfg.keep_decisions, priority_headroom=cfg.priority_headroom, **params)
+
+
+def _predictors(cfg: GatewayConfig) -> Predictors:
+    if cfg.predictors == "learned":  # a missing or broken model: the analytic prior answers (logged)
+        return learned_predictors(cfg.predictor_models, prior=cfg.prior, online=cfg.predictor_online, strict=False)
+    return analytic_predictors(prior=cfg.prior)
 
 
 class Cluster:
@@ -115,6 +123,9 @@ class Cluster:
                 await self.poll_once()
             except Exception:  # polling must outlive any one bad answer
                 log.exception("health poll failed")
+            reload_models = getattr(self.scheduler.predictors, "reload_if_changed", None)
+            if reload_models is not None:  # learned predictors: a recalibrated models.json is picked up
+                reload_models()
 
     async def poll_once(self) -> None:
         ids = list(self.clients)

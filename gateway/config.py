@@ -17,6 +17,7 @@ from scheduler.admission import check_headroom
 
 KINDS = ("vllm", "sim")
 TOKENIZERS = ("builtin", "engine", "hf")
+PREDICTORS = ("analytic", "learned")
 
 
 class ConfigError(ValueError):
@@ -80,6 +81,11 @@ class GatewayConfig:
     keep_decisions: int = 1000
     policy_params: dict[str, Any] = field(default_factory=dict)
     prior: Prior = field(default_factory=Prior)  # the analytic predictors' rules of thumb ([prior])
+    # "analytic" (the roofline over public facts) or "learned" (conductor calibrate's models in
+    # predictor_models; a term without a valid model falls back to analytic, logged)
+    predictors: str = "analytic"
+    predictor_models: str | None = None
+    predictor_online: bool = True  # online EWMA correction of the learned terms
     auth: AuthConfig = field(default_factory=AuthConfig)  # [auth]: client keys, admin token, hosts (gateway/auth.py)
     # a prompt longer than the longest served context (max_model_len) x this many characters a
     # token is refused before tokenizing; default: 1 for the built-in byte tokenizer (exact: a
@@ -195,6 +201,10 @@ def validate(cfg: GatewayConfig) -> None:
 
         if em.profile not in profile_names():
             raise ConfigError(f"embedded: unknown profile {em.profile!r}; known: {', '.join(profile_names())}")
+    if cfg.predictors not in PREDICTORS:
+        raise ConfigError(f"predictors must be one of {PREDICTORS}, got {cfg.predictors!r}")
+    if cfg.predictors == "learned" and not cfg.predictor_models:
+        raise ConfigError("predictors 'learned' needs predictor_models (a directory written by conductor calibrate)")
     if cfg.tokenizer not in TOKENIZERS:
         raise ConfigError(f"tokenizer must be one of {TOKENIZERS}, got {cfg.tokenizer!r}")
     if cfg.tokenizer == "hf" and not cfg.tokenizer_path:

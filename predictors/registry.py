@@ -14,7 +14,8 @@ from predictors.base import Predictors
 
 Factory = Callable[..., Predictors]
 
-_BUILTIN: dict[str, str] = {"analytic": "predictors.analytic:analytic_predictors"}
+_BUILTIN: dict[str, str] = {"analytic": "predictors.analytic:analytic_predictors",
+                            "learned": "predictors.learned:learned_predictors"}
 _FACTORIES: dict[str, Factory] = {}
 
 

@@ -57,6 +57,14 @@ class RequestRecord:
     predicted_transfer_s: float | None = None
     predicted_ttft_s: float | None = None
     predicted_tbt_s: float | None = None
+    # the rest of the predicted TTFT (Placement): after the prefill, waiting for room on the
+    # decode instance, shipping the KV there, its first decode step; and the public deployments
+    # of the chosen pair (what a learned predictor's features are computed from)
+    predicted_decode_wait_s: float | None = None
+    predicted_kv_transfer_s: float | None = None
+    predicted_first_step_s: float | None = None
+    prefill_deployment: str | None = None
+    decode_deployment: str | None = None
     reject_reason: str | None = None
     retry_after_s: float | None = None
     # --- outcomes ---

@@ -119,6 +119,10 @@ class RequestLifecycle:
         rec.decode_running, rec.decode_kv_tokens = d.decode_running, d.decode_kv_tokens
         rec.predicted_queue_s, rec.predicted_prefill_s = d.queue_s, d.prefill_s
         rec.predicted_transfer_s, rec.predicted_ttft_s, rec.predicted_tbt_s = d.transfer_s, d.ttft_s, d.tbt_s
+        rec.predicted_decode_wait_s, rec.predicted_kv_transfer_s = d.decode_wait_s, d.kv_transfer_s
+        rec.predicted_first_step_s = d.decode_first_step_s
+        deployment = self.scheduler.deployment_name
+        rec.prefill_deployment, rec.decode_deployment = deployment(d.prefill), deployment(d.decode)
         return d
 
     # --- the engine side (the driver's hooks) -------------------------------------------

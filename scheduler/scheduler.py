@@ -225,6 +225,11 @@ class Scheduler:
             return False
         return self.ledger.observe(instance_id, running, waiting, kv_usage, self.clock())
 
+    def deployment_name(self, instance_id: str) -> str | None:
+        """The public deployment an instance runs (its telemetry's feature source); None if unknown."""
+        d = self._deployment.get(instance_id)
+        return None if d is None else d.name
+
     def _known(self, instance_id: Any) -> bool:
         return isinstance(instance_id, str) and instance_id in self._instances
 

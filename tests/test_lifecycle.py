@@ -64,6 +64,10 @@ def test_disaggregated_success_fills_the_record_and_releases_once():
     assert rec.decided_s == 100.5 and rec.prefill_instance == d.prefill and rec.decode_instance == d.decode
     assert rec.policy == "round_robin" and rec.predicted_ttft_s == d.ttft_s and rec.predicted_tbt_s == d.tbt_s
     assert rec.hit_tokens == d.hit_tokens and rec.queue_tokens == d.queue_tokens
+    # the rest of the TTFT and the pair's public deployments: a learned predictor's features
+    assert (rec.predicted_kv_transfer_s, rec.predicted_first_step_s, rec.predicted_decode_wait_s) == (
+        d.kv_transfer_s, d.decode_first_step_s, d.decode_wait_s) and d.kv_transfer_s > 0
+    assert rec.prefill_deployment == rec.decode_deployment == "llama3-8b-h200"
     clock.t = 101.0
     lc.prefill_started()
     clock.t = 102.0

@@ -129,9 +129,12 @@ class EngineModel:
         # max_model_len at start-up): clamp, so the API answers 400 instead of a hang
         self.max_model_len = min(self.max_model_len, self.kv.capacity * block_size)
         self.timer = StepTimer(profile)
-        self.noise = noise
+        eff = profile.efficiency
+        # a gap profile's noisier GPU adds its own sigma (noise 0 still turns all noise off)
+        self.noise = math.hypot(noise, eff.get("extra_noise", 0.0)) if noise else 0.0
         self.kv_hold_timeout = kv_hold_timeout
-        self.net_bytes_per_s = net_bytes_per_s or profile.net_bytes_per_s
+        # a gap profile's congested network: KV transfers get a fraction of the NIC
+        self.net_bytes_per_s = (net_bytes_per_s or profile.net_bytes_per_s) * eff.get("net_efficiency", 1.0)
         self.transfer_latency_s = (profile.efficiency.get("transfer_latency_ms", 1.0) * 1e-3
                                    if transfer_latency_s is None else transfer_latency_s)
         self.host_bytes_per_s = host_bytes_per_s or profile.host_bytes_per_s
@@ -384,7 +387,7 @@ class EngineModel:
 
         # duration and bookkeeping
         tokens = prefill_tokens + n_decode
-        dur = self.timer.duration(tokens, sampled + n_decode, prefill_ctx, decode_kv)
+        dur = self.timer.duration(tokens, sampled + n_decode, prefill_ctx, decode_kv, prefill_tokens)
         if dur and self.noise:
             dur *= math.exp(self._rng.gauss(0.0, self.noise))
         res.duration = dur

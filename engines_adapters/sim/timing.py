@@ -15,11 +15,26 @@ The operators of a transformer step run one after another, so their times add:
 * tensor-parallel all-reduce (gpus > 1): two per layer, latency + tokens x hidden x dtype / bw.
 * a fixed per-step overhead (scheduling, sampling, launch).
 
+"Gap" profiles (``*-gap`` in profiles.json) depart further from the roofline, the way measured
+hardware does, through optional calibration keys (absent: the plain model above, unchanged):
+``gpu_speed`` (sustained fraction of the datasheet FLOP/s: power capping, clocks, a slower part),
+``mfu_half_tokens`` (linear-layer efficiency rises with the step's tokens as
+``tokens / (tokens + half)``: tile and wave quantisation at small batches), ``attn_ctx_knee``
+(prefill attention efficiency falls with the mean context ``c`` of the step's prefill tokens as
+``1 / sqrt(1 + c / knee)``), ``seq_overhead_us`` (CPU per sequence per step: sampling,
+detokenisation, scheduler bookkeeping). Noise and network congestion are applied by the engine
+model (``extra_noise``, ``net_efficiency``). Sources and values: docs/sim_engine.md.
+
 The derivation and the public figures behind each efficiency are in docs/sim_engine.md.
 """
 from __future__ import annotations
 
+import math
+
 from .profiles import GB, Profile
+
+#: Calibration keys of the gap profiles; a profile with none of them times exactly as before.
+GAP_KEYS = ("gpu_speed", "mfu_half_tokens", "attn_ctx_knee", "seq_overhead_us")
 
 
 class StepTimer:
@@ -27,7 +42,8 @@ class StepTimer:
 
     __slots__ = ("matmul_params", "lm_head_params", "_flops_rate", "_bytes_rate", "_attn_rate", "_kv_rate",
                  "_weight_bytes", "_p", "_attn_flops_per_ctx", "_kv_bytes", "_ar_count", "_ar_latency",
-                 "_ar_bw", "_ar_bytes_per_token", "_overhead", "_memory", "_memory_p", "_inv_p")
+                 "_ar_bw", "_ar_bytes_per_token", "_overhead", "_memory", "_memory_p", "_inv_p", "_gap",
+                 "_half_tokens", "_ctx_knee", "_seq_overhead")
 
     def __init__(self, profile: Profile):
         m, hw, eff = profile.model, profile.hardware, profile.efficiency
@@ -61,6 +77,17 @@ class StepTimer:
         self._memory = self._weight_bytes / self._bytes_rate
         self._memory_p = self._memory**self._p
         self._inv_p = 1.0 / self._p
+        # the gap profiles' departures from the roofline (docs/sim_engine.md, "Gap profiles")
+        self._gap = any(k in eff for k in GAP_KEYS)
+        speed = float(eff.get("gpu_speed", 1.0))
+        if not 0 < speed <= 1:
+            raise ValueError(f"profile {profile.name}: gpu_speed must be in (0, 1], got {speed}")
+        if self._gap:
+            self._flops_rate *= speed
+            self._attn_rate *= speed
+        self._half_tokens = float(eff.get("mfu_half_tokens", 0.0))
+        self._ctx_knee = float(eff.get("attn_ctx_knee", 0.0))
+        self._seq_overhead = float(eff.get("seq_overhead_us", 0.0)) * 1e-6
 
     def linear(self, tokens: int, seqs: int, lm_head: bool = True) -> float:
         """Linear layers for ``tokens`` new tokens, of which ``seqs`` are sampled (LM head;
@@ -85,14 +112,20 @@ class StepTimer:
             return 0.0
         return self._ar_count * self.one_allreduce(tokens * self._ar_bytes_per_token)
 
-    def duration(self, tokens: int, seqs: int, prefill_ctx: float, decode_kv_tokens: int) -> float:
+    def duration(self, tokens: int, seqs: int, prefill_ctx: float, decode_kv_tokens: int,
+                 prefill_tokens: int | None = None) -> float:
         """Seconds for a batch of ``tokens`` new tokens from ``seqs`` sequences.
 
         ``prefill_ctx`` is the sum over prefill tokens of the context each attends to (itself
-        included); ``decode_kv_tokens`` the sum of the decode sequences' contexts.
+        included); ``decode_kv_tokens`` the sum of the decode sequences' contexts;
+        ``prefill_tokens`` how many of ``tokens`` are prefill tokens (a gap profile's prefill
+        attention efficiency depends on their mean context; None counts all ``tokens``; the
+        plain model ignores it).
         """
         if tokens <= 0:
             return 0.0
+        if self._gap:
+            return self._gap_duration(tokens, seqs, prefill_ctx, decode_kv_tokens, prefill_tokens)
         # linear(tokens, seqs) and allreduce(tokens) inlined, operation for operation
         compute = 2.0 * (self.matmul_params * tokens + self.lm_head_params * seqs) / self._flops_rate
         p = self._p
@@ -109,6 +142,25 @@ class StepTimer:
                 + ar)
 
 
+    def _gap_duration(self, tokens: int, seqs: int, prefill_ctx: float, decode_kv_tokens: int,
+                      prefill_tokens: int | None) -> float:
+        """:meth:`duration` for a gap profile: efficiency rising with the step's tokens, prefill
+        attention slowing at long contexts, CPU per sequence (GPU speed is in the rates)."""
+        compute = 2.0 * (self.matmul_params * tokens + self.lm_head_params * seqs) / self._flops_rate
+        if self._half_tokens:
+            compute *= (tokens + self._half_tokens) / tokens
+        lin = (compute**self._p + self._memory_p) ** self._inv_p
+        attn = prefill_ctx * self._attn_flops_per_ctx / self._attn_rate
+        if self._ctx_knee and prefill_ctx:
+            n = prefill_tokens if prefill_tokens else tokens
+            attn *= math.sqrt(1.0 + prefill_ctx / max(1, n) / self._ctx_knee)
+        ar = (self._ar_count * (self._ar_latency + tokens * self._ar_bytes_per_token / self._ar_bw)
+              if self._ar_count else 0.0)
+        return (self._overhead + seqs * self._seq_overhead + lin + attn
+                + decode_kv_tokens * self._kv_bytes / self._kv_rate + ar)
+
+
 def chunk_ctx(start: int, n: int) -> float:
     """Sum of contexts of ``n`` new tokens after ``start`` computed ones: n*start + n(n+1)/2."""
     return n * start + n * (n + 1) / 2.0
+

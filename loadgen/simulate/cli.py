@@ -9,6 +9,7 @@ import sys
 
 from engines_adapters.sim.profiles import profile_names
 from predictors.cli_args import CLIError, Parser, non_negative_float, non_negative_int, positive_float, positive_int
+from predictors.learned import ModelError, load_models
 from predictors.registry import predictor_names
 from scheduler.policies import POLICIES, make_policy
 
@@ -49,8 +50,9 @@ def build_parser() -> Parser:
                    help="a parameter of --policy (repeatable)")
     s.add_argument("--compare", metavar="POLICY[,POLICY...]",
                    help="also run these policies on the same cluster and workload, side by side")
-    s.add_argument("--predictors", default="analytic",
-                   help="analytic (public facts), oracle (the engine model's own timing: the upper bound)")
+    s.add_argument("--predictors", default="analytic", metavar="analytic|oracle|DIR",
+                   help="analytic (public facts), oracle (the engine model's own timing: the upper bound), or a "
+                        "directory written by conductor calibrate (learned, with online correction)")
     s.add_argument("--early-rejection", action="store_true", help="admit on decode load predicted at prefill end")
     s.add_argument("--admission", choices=("all", "conductor", "none"), default="all",
                    help="which policies refuse requests predicted to miss the SLO (429): all (default: placement "
@@ -106,9 +108,16 @@ def main(argv: list[str]) -> int:
                        "(and the reverse); use --both for colocated instances")
     if a.profile not in profile_names():
         raise CLIError(f"unknown profile {a.profile!r}; known: {', '.join(profile_names())}")
-    if a.predictors not in ("analytic", "oracle") and a.predictors not in predictor_names():
-        raise CLIError(f"unknown predictors {a.predictors!r}; known: analytic, oracle "
-                       "(learned predictors from a directory are not built yet)")
+    if os.path.isdir(a.predictors):
+        try:
+            load_models(a.predictors)
+        except ModelError as e:
+            raise CLIError(f"--predictors {e}") from None
+    elif a.predictors not in ("analytic", "oracle") and a.predictors not in predictor_names():
+        raise CLIError(f"unknown predictors {a.predictors!r}; known: analytic, oracle, or a directory written by "
+                       "conductor calibrate")
+    elif a.predictors == "learned":
+        raise CLIError("--predictors learned: give the model directory (conductor calibrate --out DIR)")
     if a.early_rejection and a.late_rejection:
         raise CLIError("--early-rejection and --late-rejection exclude each other")
     policies, params = _policies(a)

@@ -8,12 +8,14 @@ perfect scheduling is what no predictor can (contention, queueing order, future 
 """
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 from engines_adapters.sim.profiles import Profile, load_profile
 from engines_adapters.sim.timing import StepTimer, chunk_ctx
 from predictors.analytic import AnalyticQueue
 from predictors.base import DecodeState, Predictors
+from predictors.learned import learned_predictors
 from predictors.registry import make_predictors
 from predictors.types import Tier
 from scheduler import Instance
@@ -32,7 +34,8 @@ class _Oracle:
         eff = profile.efficiency
         self.latency = eff.get("transfer_latency_ms", 1.0) * 1e-3
         self.kv_bytes = profile.kv_bytes_per_token
-        self.net, self.host = profile.net_bytes_per_s, profile.host_bytes_per_s
+        self.net = profile.net_bytes_per_s * eff.get("net_efficiency", 1.0)  # a gap profile's congestion
+        self.host = profile.host_bytes_per_s
         self.block_size = block_size
         self._memo: dict[tuple[int, int], float] = {}
 
@@ -47,7 +50,7 @@ class _Oracle:
             t = 0.0
             while done < prompt:  # chunked prefill alone on the instance, one chunk a step
                 n = min(self.chunk, prompt - done)
-                t += self.timer.duration(n, 1, chunk_ctx(done, n), 0)
+                t += self.timer.duration(n, 1, chunk_ctx(done, n), 0, n)
                 done += n
             self._memo[key] = t
         return t
@@ -76,4 +79,6 @@ def predictors_factory(name: str, cluster: ClusterSpec) -> Callable[[list[Instan
         return None
     if name == "oracle":
         return lambda members: oracle_predictors(cluster)
+    if os.path.isdir(name):  # a directory written by conductor calibrate: fresh corrections per run
+        return lambda members: learned_predictors(name)
     return lambda members: make_predictors(name)

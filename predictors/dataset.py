@@ -1,0 +1,254 @@
+"""Training rows per term from RequestRecord telemetry (what ``conductor calibrate`` fits on).
+
+A record has the features known at decision time and the outcomes measured after; the terms are
+separated like this, with nothing but the records themselves:
+
+Instances are told apart per run (:func:`run_of`): one telemetry file, one simulated load.
+
+* **prefill**: a prefill instance serves its queue first come, first served, so a request's own
+  prefill is its *service time*: from when it could start (its leg began and the request ahead
+  of it on that instance finished) to its end. Requests finishing in the same engine step are one
+  row (their features add up: the model is linear). ``clean`` rows (the instance was idle and
+  nobody joined before the end) are lone prefills, the ones accuracy is reported on.
+* **queue**: the wait before that start, and the Mooncake queue it implies (the requests ahead,
+  as the ledger held them) for any prefill predictor: reconstructed per row.
+* **transfer** (prefill -> decode KV shipment): the hand-over gap, from the prefill leg's end to
+  the client's first token, minus the decode instance's first step; rows whose decode instance
+  had no room at decision (a predicted decode wait) are left out.
+* **TBT**: the request's Mooncake TBT (mean of its slowest 10% token gaps) against the decode
+  instance's state when it was placed.
+"""
+from __future__ import annotations
+
+import re
+from bisect import bisect_left, bisect_right
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+from predictors.facts import Deployment, load_deployment
+from predictors.telemetry import RequestRecord
+
+#: Token gaps a TBT row needs (a Mooncake TBT over fewer is mostly noise).
+MIN_TBT_INTERVALS = 8
+
+class DataError(ValueError):
+    """Telemetry a calibration cannot use (one line saying what is missing)."""
+
+
+@dataclass
+class PrefillRow:
+    t: float  # position of the row's (first) request in its run, 0..1 by decision time (see pos)
+    deployment: str
+    items: list[tuple[int, int]]  # (prompt, cached) per request in the row
+    service_s: float
+    clean: bool
+    request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return max(p for p, _ in self.items)
+
+
+@dataclass
+class TBTRow:
+    t: float
+    deployment: str
+    instance: str
+    running: int
+    kv_tokens: int
+    prompt_tokens: int
+    max_tokens: int
+    tbt_s: float
+
+
+@dataclass
+class HandoverRow:
+    t: float
+    source: str
+    destination: str
+    src_deployment: str
+    dst_deployment: str
+    tokens: int
+    running: int
+    kv_tokens: int
+    max_tokens: int
+    handover_s: float
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.tokens
+
+
+@dataclass
+class QueueRow:
+    """What the ledger held ahead of a request (for any prefill predictor's queue) and the outcome."""
+
+    t: float
+    deployment: str
+    record: RequestRecord
+    ahead: list[tuple[RequestRecord, float]]  # (request ahead, when it became able to start)
+    wait_s: float  # observed: from the leg's start to the request's own start
+    ttft_s: float
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.record.prompt_tokens
+
+
+@dataclass
+class Dataset:
+    prefill: list[PrefillRow]
+    tbt: list[TBTRow]
+    handover: list[HandoverRow]
+    queue: list[QueueRow]
+    records: int
+    used: int
+    skipped: dict[str, int]
+    deployments: dict[str, Deployment]
+
+
+def _deployment(name: str | None, default: str | None, cache: dict[str, Deployment], column: str) -> str:
+    n = name or default
+    if n is None:
+        raise DataError(f"records lack {column} (telemetry from before it was recorded): pass --deployment NAME")
+    if n not in cache:
+        try:
+            cache[n] = load_deployment(n)
+        except KeyError as e:
+            raise DataError(str(e.args[0])) from None
+    return n
+
+
+#: ``conductor simulate`` names a request ``s{load}-t{policy}-r{index}``: one run per (load, policy).
+_SIM_RUN = re.compile(r"^(s\d+-t\d+)-r\d+$")
+
+
+def run_of(r: RequestRecord) -> str:
+    """Which run (one clock, one set of instances) a record belongs to: the telemetry file it was
+    read from (``extra["source"]``) and, for a simulation of several loads or policies, its
+    (load, policy); instance names and times repeat across runs."""
+    m = _SIM_RUN.match(r.request_id)
+    return f"{r.extra.get('source', '')}|{m.group(1) if m else ''}"
+
+
+def build_dataset(records: Iterable[RequestRecord], default_deployment: str | None = None) -> Dataset:
+    """Rows per term from finished records; :class:`DataError` when a needed column is missing."""
+    recs = list(records)
+    deployments: dict[str, Deployment] = {}
+    skipped: dict[str, int] = {}
+
+    def skip(why: str) -> None:
+        skipped[why] = skipped.get(why, 0) + 1
+
+    placed = []
+    for r in recs:
+        if r.status != "ok":
+            skip(f"status {r.status}")
+            continue
+        if r.decided_s is None or r.prefill_instance is None or r.decode_instance is None:
+            raise DataError(f"record {r.request_id}: no decision features (decided_s, prefill_instance, "
+                            "decode_instance): not gateway or simulator telemetry?")
+        if r.first_token_s is None or not r.token_times:
+            raise DataError(f"record {r.request_id}: no token times (first_token_s, token_times): write telemetry "
+                            "with token times (gateway telemetry_path, conductor simulate --telemetry)")
+        placed.append(r)
+    if not placed:
+        raise DataError(f"no finished requests among {len(recs)} records")
+
+    # each row's t: its request's position in its run (runs have their own clocks), so a
+    # time-ordered hold-out takes the latest part of every run
+    by_run: dict[str, list[float]] = {}
+    for r in placed:
+        by_run.setdefault(run_of(r), []).append(r.decided_s)  # type: ignore[arg-type]
+    for times in by_run.values():
+        times.sort()
+
+    def pos(r: RequestRecord) -> float:
+        times = by_run[run_of(r)]
+        return bisect_left(times, r.decided_s or 0.0) / len(times)
+
+    # --- prefill service times and queues, per prefill instance in completion order ----------
+    prefill: list[PrefillRow] = []
+    queue: list[QueueRow] = []
+    by_inst: dict[tuple[str, str], list[RequestRecord]] = {}
+    for r in placed:
+        if r.prefill_instance == r.decode_instance:
+            skip("colocated (no prefill leg)")
+            continue
+        if r.prefill_start_s is None or r.prefill_end_s is None:
+            raise DataError(f"record {r.request_id}: no prefill leg times (prefill_start_s, prefill_end_s)")
+        by_inst.setdefault((run_of(r), r.prefill_instance), []).append(r)  # type: ignore[arg-type]
+    for inst, rs in by_inst.items():
+        rs.sort(key=lambda r: (r.prefill_end_s or 0.0, r.decided_s or 0.0))
+        starts: list[float] = sorted(r.prefill_start_s or 0.0 for r in rs)
+        prev_end = float("-inf")
+        current: PrefillRow | None = None
+        start_eff: dict[str, float] = {}
+        for r in rs:
+            assert r.prefill_start_s is not None and r.prefill_end_s is not None and r.decided_s is not None
+            dep = _deployment(r.prefill_deployment, default_deployment, deployments, "prefill_deployment")
+            start = max(r.prefill_start_s, prev_end)
+            start_eff[r.request_id] = start
+            if r.transfer_tokens:
+                skip("prefix pulled before the prefill")
+                prev_end = r.prefill_end_s
+                current = None
+                continue
+            if current is not None and r.prefill_end_s - prev_end <= 1e-9:  # finished in the same step
+                current.items.append((r.prompt_tokens, r.hit_tokens))
+                current.request_ids.append(r.request_id)
+                current.clean = False
+                continue
+            later = bisect_right(starts, r.prefill_start_s)  # the next leg to start on this instance
+            joined = later < len(starts) and starts[later] < r.prefill_end_s
+            current = PrefillRow(pos(r), dep, [(r.prompt_tokens, r.hit_tokens)], r.prefill_end_s - start,
+                                 clean=prev_end <= r.prefill_start_s and not joined, request_ids=[r.request_id])
+            prefill.append(current)
+            prev_end = r.prefill_end_s
+        # the queue each request found: the requests decided before it and not yet prefilled
+        order = sorted(rs, key=lambda r: r.decided_s or 0.0)
+        pending: list[RequestRecord] = []  # decided earlier, not prefilled yet (in decision order)
+        for r in order:
+            assert r.decided_s is not None and r.prefill_start_s is not None and r.ttft_s is not None
+            now = r.decided_s
+            pending = [o for o in pending if (o.prefill_end_s or 0.0) > now]
+            ahead = [(o, start_eff[o.request_id]) for o in pending]
+            pending.append(r)
+            queue.append(QueueRow(pos(r), _deployment(r.prefill_deployment, default_deployment, deployments,
+                                                            "prefill_deployment"),
+                                  r, ahead, max(0.0, start_eff[r.request_id] - r.prefill_start_s), r.ttft_s))
+        del inst
+
+    # --- TBT and the prefill -> decode hand-over ------------------------------------------------
+    tbt: list[TBTRow] = []
+    handover: list[HandoverRow] = []
+    for r in placed:
+        assert r.decided_s is not None and r.decode_instance is not None and r.prefill_instance is not None
+        ddep = _deployment(r.decode_deployment, default_deployment, deployments, "decode_deployment")
+        mt = r.max_tokens or r.output_tokens
+        if len(r.token_times) > MIN_TBT_INTERVALS:
+            tbt.append(TBTRow(pos(r), ddep, r.decode_instance, r.decode_running, r.decode_kv_tokens,
+                              r.prompt_tokens, mt, r.tbt_s))
+        else:
+            skip("too few tokens for a TBT")
+        if r.prefill_instance == r.decode_instance:
+            continue
+        if r.predicted_decode_wait_s:
+            skip("decode instance full at decision (hand-over includes a wait)")
+            continue
+        assert r.first_token_s is not None and r.prefill_end_s is not None
+        pdep = _deployment(r.prefill_deployment, default_deployment, deployments, "prefill_deployment")
+        handover.append(HandoverRow(pos(r), r.prefill_instance, r.decode_instance, pdep, ddep, r.prompt_tokens,
+                                    r.decode_running, r.decode_kv_tokens, mt, r.first_token_s - r.prefill_end_s))
+    return Dataset(prefill, tbt, handover, queue, len(recs), len(placed), skipped, deployments)
+
+
+def reconstructed_queue(row: QueueRow, prefill: Callable[[RequestRecord], float]) -> float:
+    """The ledger's queue for ``row.record`` had ``prefill`` predicted every request: the
+    predicted prefill seconds of the requests ahead, minus the head's elapsed part."""
+    if not row.ahead:
+        return 0.0
+    total = sum(prefill(o) for o, _ in row.ahead)
+    head, since = row.ahead[0]
+    assert row.record.decided_s is not None
+    return max(0.0, total - min(max(0.0, row.record.decided_s - since), prefill(head)))

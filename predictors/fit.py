@@ -1,0 +1,379 @@
+"""Fitting and scoring the learned predictors' terms (scikit-learn, relative error).
+
+Each term is fitted by non-negative least squares on *relative* error (rows weighted by
+1/actual^2, as DistServe does: plain least squares on raw seconds lets the long requests decide
+everything). Its upper quantile (p90 by default) is a linear quantile regression over the same
+features (pinball loss relative to the actual), with a split-conformal factor (the 0.9 quantile
+of actual / predicted on the latest fifth of the training rows, by a model fitted on the rest)
+kept as the fallback. Per deployment group when
+the group has enough rows, pooled over every group always (features are in each row's own
+physical units, so the pooled weights are inverse efficiencies shared across hardware).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+from sklearn.linear_model import LinearRegression, QuantileRegressor  # type: ignore[import-untyped]
+
+from predictors.analytic import Prior, Roofline, roofline_decode_step_s, roofline_prefill_s
+from predictors.dataset import Dataset, HandoverRow, PrefillRow, TBTRow, reconstructed_queue
+from predictors.facts import Deployment
+from predictors.learned import (
+    FEATURES,
+    LearnedModels,
+    TermModel,
+    TermModels,
+    dot,
+    group_of,
+    physics,
+    prefill_features,
+    tbt_features,
+    transfer_features,
+)
+
+#: Rows a model needs (per group; the pooled model needs as many in all).
+MIN_ROWS = 30
+P90 = 0.9
+
+
+@dataclass
+class Fitted:
+    """A term's training matrix and targets, with the row weights and group labels."""
+
+    x: np.ndarray
+    y: np.ndarray
+    groups: list[str]
+    t: np.ndarray
+
+
+def fit_weights(x: np.ndarray, y: np.ndarray, offset: np.ndarray | None = None,
+                rel: np.ndarray | None = None, rounds: int = 1) -> np.ndarray:
+    """Non-negative weights minimising the squared error relative to ``rel`` (default y):
+    sum(((x @ w + offset - y) / rel)^2), DistServe's relative-error fit. ``rounds`` > 1 then
+    reweights relative to the previous prediction (the mean of a multiplicative noise rather
+    than a low-biased fit); measured on the gap profile's telemetry it lowers the hand-over's
+    median error but raises every term's MAPE and the TTFT's, so one round is the default."""
+    off = np.zeros_like(y) if offset is None else offset
+    scale = y if rel is None else rel
+    w: np.ndarray = np.zeros(x.shape[1])
+    for _ in range(max(1, rounds)):
+        reg = LinearRegression(positive=True, fit_intercept=False)
+        reg.fit(x, y - off, sample_weight=1.0 / np.maximum(scale, 1e-9) ** 2)
+        w = np.maximum(reg.coef_, 0.0)
+        pred = x @ w + off
+        if not np.all(pred > 0):
+            break
+        scale = pred
+    return w
+
+
+def conformal_factor(x: np.ndarray, y: np.ndarray, t: np.ndarray, q: float, offset: np.ndarray | None = None) -> float:
+    """Split-conformal multiplicative quantile: fit on the earlier 80%, the ``q`` quantile of
+    actual / predicted on the latest 20% (at least 1)."""
+    n = len(y)
+    order = np.argsort(t, kind="stable")
+    cut = int(n * 0.8)
+    if cut < 2 * x.shape[1] or n - cut < 5:
+        return 1.0
+    tr, ca = order[:cut], order[cut:]
+    off = np.zeros_like(y) if offset is None else offset
+    w = fit_weights(x[tr], y[tr], off[tr])
+    pred = x[ca] @ w + off[ca]
+    ok = pred > 0
+    if not ok.any():
+        return 1.0
+    ratios = y[ca][ok] / pred[ok]
+    level = min(1.0, q * (1 + 1.0 / len(ratios)))
+    return float(max(1.0, np.quantile(ratios, level)))
+
+
+#: Rows the quantile model is fitted on at most (a linear program: its time grows with them).
+QUANTILE_ROWS = 3000
+
+
+def quantile_weights(x: np.ndarray, y: np.ndarray, scale: np.ndarray, q: float) -> tuple[float, ...] | None:
+    """Linear ``q``-quantile of ``y`` over the features, pinball loss relative to ``scale`` (so
+    short requests weigh as much as long ones); None when it cannot be fitted."""
+    if len(y) < 2 * x.shape[1]:
+        return None
+    idx = np.arange(len(y))
+    if len(idx) > QUANTILE_ROWS:
+        idx = np.random.default_rng(0).choice(idx, QUANTILE_ROWS, replace=False)
+    try:
+        reg = QuantileRegressor(quantile=q, alpha=0.0, fit_intercept=False, solver="highs")
+        reg.fit(x[idx], y[idx], sample_weight=1.0 / np.maximum(scale[idx], 1e-9))
+    except ValueError:
+        return None
+    coef = [float(c) for c in reg.coef_]
+    return tuple(coef) if all(np.isfinite(coef)) else None
+
+
+def fit_term(f: Fitted, q: float = P90, min_rows: int = MIN_ROWS, offset: np.ndarray | None = None,
+             rel: np.ndarray | None = None, quantiles: bool = True) -> TermModels | None:
+    """Pooled model plus one per group with enough rows; None when even the pool is too small."""
+    if len(f.y) < min_rows:
+        return None
+    off = np.zeros_like(f.y) if offset is None else offset
+
+    def one(idx: np.ndarray) -> TermModel:
+        w = fit_weights(f.x[idx], f.y[idx], off[idx], None if rel is None else rel[idx])
+        pred = f.x[idx] @ w + off[idx]
+        base = f.y[idx] if rel is None else rel[idx]
+        mape = float(np.mean(np.abs(pred - f.y[idx]) / np.maximum(base, 1e-12)))
+        upper = quantile_weights(f.x[idx], f.y[idx] - off[idx], f.y[idx], q) if quantiles else None
+        return TermModel(tuple(float(v) for v in w), conformal_factor(f.x[idx], f.y[idx], f.t[idx], q, off[idx]),
+                         int(len(idx)), mape, upper)
+
+    everything = np.arange(len(f.y))
+    pooled = one(everything)
+    groups: dict[str, TermModel] = {}
+    labels = np.array(f.groups)
+    for g in sorted(set(f.groups)):
+        idx = np.nonzero(labels == g)[0]
+        if len(idx) == len(everything):  # one group: it is the pool
+            groups[g] = pooled
+        elif len(idx) >= min_rows:
+            groups[g] = one(idx)
+    return TermModels(pooled, groups)
+
+
+# --- the design matrices ------------------------------------------------------------------------
+class Physics:
+    """Per-deployment physical units and analytic rooflines, computed once."""
+
+    def __init__(self, deployments: dict[str, Deployment], prior: Prior | None = None):
+        prior = Prior() if prior is None else prior
+        self.d = deployments
+        self.unit: dict[str, Roofline] = {n: physics(d) for n, d in deployments.items()}
+        self.prior_roofline = {n: Roofline.from_deployment(d, prior) for n, d in deployments.items()}
+
+    def ts(self, name: str) -> float:
+        return self.d[name].time_scale
+
+    def prefill_x(self, dep: str, items: Sequence[tuple[int, int]]) -> list[float]:
+        x = [0.0] * len(FEATURES["prefill"])
+        for p, c in items:
+            for k, v in enumerate(prefill_features(self.unit[dep], self.ts(dep), p, c)):
+                x[k] += v
+        return x
+
+    def tbt_x(self, dep: str, running: int, kv: int, prompt: int, max_tokens: int) -> list[float]:
+        return tbt_features(self.unit[dep], self.ts(dep), running, kv, prompt, max_tokens)
+
+    def transfer_x(self, src: str, dst: str, tokens: int) -> list[float]:
+        bw = min(self.d[src].net_bytes_per_s, self.d[dst].net_bytes_per_s)
+        return transfer_features(self.unit[dst], self.ts(dst), tokens, bw)
+
+    def analytic_prefill(self, dep: str, items: Sequence[tuple[int, int]]) -> float:
+        return sum(roofline_prefill_s(self.prior_roofline[dep], p, c) for p, c in items)
+
+    def analytic_tbt(self, dep: str, running: int, kv: int, prompt: int, max_tokens: int) -> float:
+        return roofline_decode_step_s(self.prior_roofline[dep], running + 1, kv + prompt + max(1, max_tokens))
+
+    def analytic_transfer(self, src: str, dst: str, tokens: int) -> float:
+        s, d = self.prior_roofline[src], self.prior_roofline[dst]
+        return max(s.transfer_latency_s, d.transfer_latency_s) + tokens * d.kv_bytes_per_token / min(
+            s.net_bytes_per_s, d.net_bytes_per_s)
+
+
+def prefill_matrix(ph: Physics, rows: Sequence[PrefillRow]) -> Fitted:
+    return Fitted(np.array([ph.prefill_x(r.deployment, r.items) for r in rows]).reshape(-1, len(FEATURES["prefill"])),
+                  np.array([r.service_s for r in rows]), [group_of(r.deployment) for r in rows],
+                  np.array([r.t for r in rows]))
+
+
+def tbt_matrix(ph: Physics, rows: Sequence[TBTRow]) -> Fitted:
+    return Fitted(np.array([ph.tbt_x(r.deployment, r.running, r.kv_tokens, r.prompt_tokens, r.max_tokens)
+                            for r in rows]).reshape(-1, len(FEATURES["tbt"])),
+                  np.array([r.tbt_s for r in rows]), [group_of(r.deployment) for r in rows],
+                  np.array([r.t for r in rows]))
+
+
+def handover_matrix(ph: Physics, rows: Sequence[HandoverRow]) -> Fitted:
+    return Fitted(np.array([ph.transfer_x(r.src_deployment, r.dst_deployment, r.tokens)
+                            for r in rows]).reshape(-1, len(FEATURES["transfer"])),
+                  np.array([r.handover_s for r in rows]), [group_of(r.dst_deployment) for r in rows],
+                  np.array([r.t for r in rows]))
+
+
+def predict(models: TermModels, group: str, x: Sequence[float]) -> tuple[float, float]:
+    """(point, p90) from the group's model or the pooled one."""
+    m, _ = models.for_group(group_of(group))
+    assert m is not None
+    return dot(m.coef, x), m.upper(x)
+
+
+def first_step(models: LearnedModels, ph: Physics, r: HandoverRow) -> float:
+    tm = models.terms.get("tbt")
+    if tm is None:
+        return ph.analytic_tbt(r.dst_deployment, r.running, r.kv_tokens, r.tokens, r.max_tokens)
+    return predict(tm, r.dst_deployment, ph.tbt_x(r.dst_deployment, r.running, r.kv_tokens, r.tokens, r.max_tokens))[0]
+
+
+def fit_all(ds: Dataset, train: Callable[[float], bool] | None = None, q: float = P90,
+            max_prompt: int | None = None, min_rows: int = MIN_ROWS,
+            quantiles: bool = True) -> tuple[LearnedModels, dict[str, str]]:
+    """Fit every term on the rows ``train(t)`` keeps (and, for extrapolation checks, only prompts
+    up to ``max_prompt``); returns the models and, per term left out, why. ``quantiles`` False
+    skips the quantile regressions (a point-only fit)."""
+    keep = train or (lambda t: True)
+    ph = Physics(ds.deployments)
+    terms: dict[str, TermModels] = {}
+    missing: dict[str, str] = {}
+
+    def small(p: int) -> bool:
+        return max_prompt is None or p <= max_prompt
+
+    pre = [r for r in ds.prefill if keep(r.t) and small(r.prompt_tokens)]
+    clean = [r for r in pre if r.clean]
+    if len(clean) >= min_rows:  # lone prefills are exact observations; shared steps blur the rest
+        pre = clean
+    m = fit_term(prefill_matrix(ph, pre), q, min_rows, quantiles=quantiles) if pre else None
+    if m is None:
+        missing["prefill"] = f"{len(pre)} prefill rows (need {min_rows})"
+    else:
+        terms["prefill"] = m
+    tb = [r for r in ds.tbt if keep(r.t) and small(r.prompt_tokens)]
+    m = fit_term(tbt_matrix(ph, tb), q, min_rows, quantiles=quantiles) if tb else None
+    if m is None:
+        missing["tbt"] = f"{len(tb)} TBT rows (need {min_rows}, each with > 8 token gaps)"
+    else:
+        terms["tbt"] = m
+    ho = [r for r in ds.handover if keep(r.t) and small(r.tokens)]
+    if len(ho) >= min_rows:
+        partial = LearnedModels(dict(terms))
+        f = handover_matrix(ph, ho)
+        steps = np.array([first_step(partial, ph, r) for r in ho])
+        m = fit_term(f, q, min_rows, offset=steps, quantiles=quantiles)
+        if m is not None:
+            terms["transfer"] = m
+    if "transfer" not in terms:
+        missing["transfer"] = f"{len(ho)} prefill->decode hand-over rows (need {min_rows})"
+    return LearnedModels(terms), missing
+
+
+# --- scoring --------------------------------------------------------------------------------
+def _ape(pred: np.ndarray, actual: np.ndarray) -> np.ndarray:
+    out: np.ndarray = np.abs(pred - actual) / np.maximum(actual, 1e-12)
+    return out
+
+
+def summary(pred: np.ndarray, actual: np.ndarray, p90: np.ndarray | None = None) -> dict[str, Any]:
+    if len(actual) == 0:
+        return {"n": 0}
+    ape = _ape(pred, actual)
+    out: dict[str, Any] = {"n": int(len(actual)), "mape": float(ape.mean()), "ape_p50": float(np.quantile(ape, 0.5)),
+                           "ape_p90": float(np.quantile(ape, 0.9)), "ape_p99": float(np.quantile(ape, 0.99)),
+                           "median_signed": float(np.median(pred / np.maximum(actual, 1e-12) - 1))}
+    if p90 is not None:
+        out["p90_coverage"] = float(np.mean(actual <= p90))
+        d = actual - p90
+        out["pinball_p90"] = float(np.mean(np.maximum(P90 * d, (P90 - 1) * d)))
+    return out
+
+
+@dataclass
+class Scored:
+    """Per-row predictions of one term on some rows (for metrics and plots)."""
+
+    t: np.ndarray
+    actual: np.ndarray
+    learned: np.ndarray
+    learned_p90: np.ndarray
+    analytic: np.ndarray
+    prompt: np.ndarray
+
+
+def score(models: LearnedModels, ds: Dataset, keep: Callable[[Any], bool]) -> dict[str, Scored]:
+    """Learned and analytic predictions of each term on the rows ``keep(row)`` selects."""
+    ph = Physics(ds.deployments)
+    out: dict[str, Scored] = {}
+
+    def pack(rows: list[tuple[float, float, float, float, float, int]]) -> Scored:
+        a = np.array(rows, dtype=float).reshape(-1, 6)
+        return Scored(a[:, 0], a[:, 1], a[:, 2], a[:, 3], a[:, 4], a[:, 5].astype(int))
+
+    tm = models.terms.get("prefill")
+    if tm is not None:
+        rows = []
+        for r in ds.prefill:
+            if keep(r) and r.clean:
+                p, p9 = predict(tm, r.deployment, ph.prefill_x(r.deployment, r.items))
+                rows.append((r.t, r.service_s, p, p9, ph.analytic_prefill(r.deployment, r.items), r.prompt_tokens))
+        out["prefill"] = pack(rows)
+    tm = models.terms.get("tbt")
+    if tm is not None:
+        rows = []
+        for b in ds.tbt:
+            if keep(b):
+                p, p9 = predict(tm, b.deployment, ph.tbt_x(b.deployment, b.running, b.kv_tokens, b.prompt_tokens,
+                                                            b.max_tokens))
+                rows.append((b.t, b.tbt_s, p, p9, ph.analytic_tbt(b.deployment, b.running, b.kv_tokens,
+                                                                  b.prompt_tokens, b.max_tokens), b.prompt_tokens))
+        out["tbt"] = pack(rows)
+    tm = models.terms.get("transfer")
+    if tm is not None:
+        rows = []
+        for h in ds.handover:
+            if keep(h):
+                step = first_step(models, ph, h)
+                p, p9 = predict(tm, h.dst_deployment, ph.transfer_x(h.src_deployment, h.dst_deployment, h.tokens))
+                ana = ph.analytic_transfer(h.src_deployment, h.dst_deployment, h.tokens) + ph.analytic_tbt(
+                    h.dst_deployment, h.running, h.kv_tokens, h.tokens, h.max_tokens)
+                rows.append((h.t, h.handover_s, p + step, p9 + step, ana, h.tokens))
+        out["handover"] = pack(rows)
+    if {"prefill", "tbt", "transfer"} <= set(models.terms):
+        out["ttft"] = pack(_ttft_rows(models, ph, ds, keep))
+    return out
+
+
+def _ttft_rows(models: LearnedModels, ph: Physics, ds: Dataset,
+               keep: Callable[[Any], bool]) -> list[tuple[float, float, float, float, float, int]]:
+    """TTFT = Mooncake queue + prefill + hand-over, each from the learned terms (queue rebuilt from
+    the requests ahead as the ledger held them) or from the analytic prior."""
+    pm, tm, xm = models.terms["prefill"], models.terms["tbt"], models.terms["transfer"]
+    memo_l: dict[str, float] = {}
+    memo_a: dict[str, float] = {}
+
+    def learned_prefill(r: Any) -> float:
+        v = memo_l.get(r.request_id)
+        if v is None:
+            dep = r.prefill_deployment or next(iter(ph.d))
+            v = memo_l[r.request_id] = predict(pm, dep, ph.prefill_x(dep, [(r.prompt_tokens, r.hit_tokens)]))[0]
+        return v
+
+    def analytic_prefill(r: Any) -> float:
+        v = memo_a.get(r.request_id)
+        if v is None:
+            dep = r.prefill_deployment or next(iter(ph.d))
+            v = memo_a[r.request_id] = ph.analytic_prefill(dep, [(r.prompt_tokens, r.hit_tokens)])
+        return v
+
+    rows = []
+    for q in ds.queue:
+        if not keep(q):
+            continue
+        r = q.record
+        src = q.deployment
+        dst = r.decode_deployment or src
+        mt = r.max_tokens or r.output_tokens
+        step_l = predict(tm, dst, ph.tbt_x(dst, r.decode_running, r.decode_kv_tokens, r.prompt_tokens, mt))[0]
+        kv_l, kv_l9 = predict(xm, dst, ph.transfer_x(src, dst, r.prompt_tokens))
+        pre_l, pre_l9 = predict(pm, src, ph.prefill_x(src, [(r.prompt_tokens, r.hit_tokens)]))
+        queue_l = reconstructed_queue(q, learned_prefill)
+        learned = queue_l + pre_l + kv_l + step_l
+        learned9 = queue_l + pre_l9 + kv_l9 + step_l
+        analytic = (reconstructed_queue(q, analytic_prefill) + analytic_prefill(r)
+                    + ph.analytic_transfer(src, dst, r.prompt_tokens)
+                    + ph.analytic_tbt(dst, r.decode_running, r.decode_kv_tokens, r.prompt_tokens, mt))
+        rows.append((q.t, q.ttft_s, learned, learned9, analytic, r.prompt_tokens))
+    return rows
+
+
+def metrics_of(scored: dict[str, Scored]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for term, s in scored.items():
+        out[term] = {"learned": summary(s.learned, s.actual, s.learned_p90), "analytic": summary(s.analytic, s.actual)}
+    return out
