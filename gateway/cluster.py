@@ -143,13 +143,14 @@ class Cluster:
     def _routed_cards(self, eid: str, cards: list[dict]) -> list[dict]:
         """The engine's model cards the gateway routes to it (all, or those its config names);
         the scheduler learns them: a request goes only where its model or adapter is served."""
+        if not cards:  # an engine that did not answer keeps what it served
+            return cards
         allowed = self.engines[eid].models
-        if allowed is not None:
+        if allowed is not None:  # an engine listing none of its configured names serves nothing
             cards = [m for m in cards if m["id"] in allowed]
-        if cards:  # an engine that did not answer keeps what it served
-            for m in cards:
-                self.cards.setdefault(m["id"], m)
-            self.scheduler.set_models(eid, [m["id"] for m in cards])
+        for m in cards:
+            self.cards.setdefault(m["id"], m)
+        self.scheduler.set_models(eid, [m["id"] for m in cards])
         return cards
 
     async def _poll(self, eid: str) -> list[dict]:
