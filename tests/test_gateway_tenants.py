@@ -77,3 +77,26 @@ def test_decisions_filter_by_tenant_model_adapter_with_a_cursor():
     both = page(tenant="b", adapter="sql", limit=100)["decisions"]
     assert [d["seq"] for d in both] == [i for i in range(60) if i % 2 == 1 and i % 3 == 0]
     assert page(tenant="nobody")["decisions"] == [] and page(model="m", limit=5)["next_before"] == 55
+
+
+def test_engines_models_narrow_what_is_routed_to_them():
+    from gateway.cluster import Cluster
+
+    engines = [{"id": "a", "role": "both", "url": "http://127.0.0.1:1", "models": ["base"]},
+               {"id": "b", "role": "both", "url": "http://127.0.0.1:2"}]
+    cfg = parse_config({"engines": engines}, {})
+    cluster = Cluster(cfg, cfg.engines)
+    try:
+        listed = [{"id": "base"}, {"id": "sql", "parent": "base"}]
+        assert [m["id"] for m in cluster._routed_cards("a", listed)] == ["base"]
+        assert [m["id"] for m in cluster._routed_cards("b", listed)] == ["base", "sql"]
+        sched = cluster.scheduler
+        assert sched.serves("a", "base") and not sched.serves("a", "sql") and sched.serves("b", "sql")
+        cluster._routed_cards("a", [])  # no answer: keeps what it served
+        assert sched.serves("a", "base")
+        cluster._routed_cards("a", [{"id": "other"}])  # lists none of its configured names: serves nothing
+        assert not sched.serves("a", "base") and not sched.serves("a", "other")
+    finally:
+        cluster._zmq.term()
+    with pytest.raises(ConfigError, match="models must be a non-empty list"):
+        parse_config({"engines": [{**engines[0], "models": []}]}, {})
