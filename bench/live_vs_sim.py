@@ -90,7 +90,8 @@ def run_live(s: Slice, out: str) -> str:
                 f"admission = {'true' if s.admission else 'false'}\n"
                 f"[slo]\nttft_ms = {s.slo_ttft_ms * T}\ntbt_ms = {s.slo_tbt_ms * T}\n"
                 f'[embedded]\nprefill = 2\ndecode = 2\nprofile = "llama3-8b-h200"\n'
-                f"time_scale = {T}\nseed = {s.seed}\n")
+                f"time_scale = {T}\nseed = {s.seed}\n"
+                "store = false\n")  # the simulator side runs without a shared store: like with like
     gw = _conductor(["serve", "--config", cfg, "--port", str(port), "--log-level", "warning"],
                     os.path.join(out, "gateway.log"))
     try:

@@ -20,6 +20,7 @@ from gateway.cluster import Cluster
 from gateway.config import GatewayConfig
 from gateway.embedded import EmbeddedCluster
 from gateway.errors import RequestError, error_response
+from gateway.indexer import Indexer
 from gateway.observability import GatewayMetrics, TelemetryWriter, make_tracer_provider
 from gateway.openapi import add_routes_outside_fastapi
 from gateway.proxy import Proxy
@@ -46,6 +47,8 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
                 embedded = EmbeddedCluster(em)
                 engines += embedded.start()
                 await embedded.wait_ready()
+                if embedded.store is not None and cfg.store is None:  # the embedded store unless one is named
+                    cfg.store = embedded.store
             cluster = Cluster(cfg, engines)
             await cluster.start()
             tracer = provider.get_tracer("conductor") if provider else trace.NoOpTracer()
@@ -53,6 +56,7 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
             state.update(cluster=cluster, metrics=metrics,
                          proxy=Proxy(cfg, cluster, metrics, telemetry, _tokenizer(cfg, cluster), tracer))
             number_decisions(cluster.scheduler)  # /admin/decisions pages by record number
+            state["indexer"] = state["proxy"].indexer = Indexer(cluster, cfg.block_size)
             gc.collect()
             gc.freeze()  # start-up objects leave the collector's view: no full-GC pauses on decisions
             log.info("cluster: %s; ready=%s", ", ".join(f"{e.id}({e.role}) {e.url}" for e in engines), cluster.ready())
@@ -77,6 +81,13 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
     # plain Starlette routes: the hot path skips FastAPI's dependency machinery
     app.add_route("/v1/chat/completions", chat, methods=["POST"])
     app.add_route("/v1/completions", completions, methods=["POST"])
+
+    # the Mooncake Conductor indexer API (gateway/indexer.py)
+    for path, name in (("/query", "query"), ("/query_by_hash", "query_by_hash"), ("/register", "register"),
+                       ("/unregister", "unregister")):
+        async def indexer_route(request: Request, name: str = name):
+            return await getattr(state["indexer"], name)(request)
+        app.add_route(path, indexer_route, methods=["POST"])
 
     @app.get("/v1/models")
     async def models():
@@ -107,6 +118,11 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
     @app.get("/admin/cluster")
     async def admin_cluster():
         return state["cluster"].admin_view()
+
+    @app.get("/admin/store")
+    async def admin_store():
+        tier = state["cluster"].store_tier
+        return tier.view() if tier is not None else {"store": None}
 
     async def admin_decisions(request: Request):
         try:

@@ -118,6 +118,11 @@ def _digest(secret: str | bytes) -> bytes:
     return hashlib.sha256(secret.encode() if isinstance(secret, str) else secret).digest()
 
 
+#: Paths outside /admin/ behind the admin token: metrics, and the Mooncake Conductor indexer API
+#: (gateway/indexer.py: it shows what every instance caches, and /register subscribes to publishers).
+ADMIN_PATHS = frozenset(("/admin", "/metrics", "/query", "/query_by_hash", "/register", "/unregister"))
+
+
 class EdgeGuard:
     """ASGI middleware refusing, before any route runs or a body is read: a Host not on the
     allow-list (400), ``/v1/*`` without a client key (401), ``/admin/*`` and
@@ -163,7 +168,7 @@ class EdgeGuard:
             if key is None:
                 return 401, "invalid API key", "invalid_api_key"
             scope[SCOPE_KEY] = key
-        elif path.startswith("/admin/") or path == "/admin" or path == "/metrics":
+        elif path.startswith("/admin/") or path in ADMIN_PATHS:
             if self.admin_open:
                 return None
             if self.admin is None:

@@ -14,17 +14,13 @@ from engines_adapters.drivers import Pair, PairDriver, flavor
 from engines_adapters.engine_client import EngineClient
 from engines_adapters.kv_events import KVEventSubscriber
 from gateway.config import EngineConfig, GatewayConfig
+from gateway.store_tier import StoreTier
 from predictors.analytic import analytic_predictors
 from predictors.base import Predictors
 from predictors.learned import learned_predictors
 from scheduler import Instance, Scheduler
 
 log = logging.getLogger(__name__)
-
-#: The engine flavour (PD protocol, metric names, KV-event wire) each configured ``kind`` speaks:
-#: the sim engine mirrors vLLM 0.33.
-KIND_FLAVORS = {"vllm": "vllm", "sim": "vllm"}
-
 
 def build_scheduler(cfg: GatewayConfig, engines: list[EngineConfig]) -> Scheduler:
     """The scheduler for these engines, predicting from their public deployments and the
@@ -33,7 +29,7 @@ def build_scheduler(cfg: GatewayConfig, engines: list[EngineConfig]) -> Schedule
     if cfg.policy.startswith("conductor"):
         params.setdefault("peer_pull", cfg.peer_kv_pull)
     instances = [Instance(e.id, e.role, deployment=e.deployment, healthy=False, kv_capacity_tokens=e.kv_capacity_tokens,
-                          max_model_len=e.max_model_len) for e in engines]
+                          max_model_len=e.max_model_len, protocol=e.flavor) for e in engines]
     return Scheduler(instances, policy=cfg.policy, slo=cfg.slo, block_size=cfg.block_size, clock=time.monotonic,
                      predictors=_predictors(cfg), early_rejection=cfg.early_rejection,
                      admission=cfg.admission,
@@ -62,26 +58,32 @@ class Cluster:
         self._zmq = zmq.asyncio.Context()
         self._tasks: list[asyncio.Task] = []
         self._sub_tasks: dict[str, asyncio.Task] = {}
+        self.store_tier: StoreTier | None = None
 
     async def start(self) -> None:
         conn = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
         self.session = aiohttp.ClientSession(connector=conn, auto_decompress=False)
         for e in self.engines.values():
-            fl = flavor(KIND_FLAVORS[e.kind])
+            fl = flavor(e.flavor)
             self.clients[e.id] = EngineClient(self.session, e.id, e.url, flavor=fl.name,
                                               api_key=e.api_key or self.cfg.auth.engine_api_key,
                                               connect_timeout_s=self.cfg.upstream_connect_timeout_s,
-                                              timeout_s=self.cfg.upstream_timeout_s)
+                                              timeout_s=self.cfg.upstream_timeout_s, bootstrap_port=e.bootstrap_port)
             self.drivers[e.id] = fl.driver
             if e.kv_events:
                 self._subscribe(e)
+        if self.cfg.store is not None:
+            st = self.cfg.store
+            self.store_tier = StoreTier(st, self.cfg.block_size, st.model or "")
+            if not await self.store_tier.start():
+                log.warning("store %s does not answer yet: its tier stays off until it does", st.url)
         await self.poll_once()
         self._tasks.append(asyncio.create_task(self._poll_forever(), name="health-poll"))
 
     def _subscribe(self, e: EngineConfig) -> None:
         sub = KVEventSubscriber(self._zmq, e.id, e.kv_events, self.scheduler.index, engine_url=e.url,
                                 replay_endpoint=e.kv_events_replay,
-                                decode=flavor(KIND_FLAVORS[e.kind]).decode_kv_batch)
+                                decode=flavor(e.flavor).decode_kv_batch)
         sub.open()
         self.subscribers[e.id] = sub
         self._sub_tasks[e.id] = asyncio.create_task(self._keep_subscribed(sub), name=f"kv-events-{e.id}")
@@ -102,6 +104,17 @@ class Cluster:
             backoff = min(backoff * 2, 5.0)
             sub.resync()  # run() reopens the socket; a failure to (e.g. port not yet free) loops here
 
+    def watch_subscriber(self, sub: KVEventSubscriber) -> None:
+        """Keep a subscriber registered at run time (the indexer API's /register) running."""
+        self._sub_tasks[f"registered:{id(sub)}"] = asyncio.create_task(self._keep_subscribed(sub),
+                                                                       name=f"kv-events-{sub.instance_id}")
+
+    def unwatch_subscriber(self, sub: KVEventSubscriber) -> None:
+        task = self._sub_tasks.pop(f"registered:{id(sub)}", None)
+        if task is not None:
+            task.cancel()
+            task.add_done_callback(lambda _t: sub.close())
+
     async def stop(self) -> None:
         tasks = self._tasks + list(self._sub_tasks.values())
         pending = set(tasks)
@@ -114,6 +127,8 @@ class Cluster:
         self._sub_tasks.clear()
         if self.session is not None:
             await self.session.close()
+        if self.store_tier is not None:
+            await self.store_tier.stop()
         self._zmq.term()
 
     async def _poll_forever(self) -> None:
@@ -130,6 +145,8 @@ class Cluster:
     async def poll_once(self) -> None:
         ids = list(self.clients)
         results = await asyncio.gather(*(self._poll(i) for i in ids))
+        if self.store_tier is not None:
+            await self.store_tier.check()
         models: set[str] = set()
         adapters: set[str] = set()
         for eid, cards in zip(ids, results, strict=True):
@@ -197,11 +214,15 @@ class Cluster:
 
     def admin_view(self) -> dict:
         snap = self.scheduler.snapshot()
+        if self.store_tier is not None:
+            snap["store"] = self.store_tier.view()
         for inst in snap.get("instances", []):
             e = self.engines.get(inst["id"])
             if e is not None:
                 inst["url"] = e.url
                 inst["kind"] = e.kind
+                inst["engine"] = e.kind  # the software (vllm, sglang, or the sim engine) ...
+                inst["protocol"] = e.flavor  # ... and the PD protocol / KV-event wire it speaks
                 inst["healthy"] = self.healthy.get(e.id, False)
                 inst["consecutive_failures"] = self.failures.get(e.id, 0)
                 sub = self.subscribers.get(e.id)

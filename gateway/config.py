@@ -15,7 +15,11 @@ from predictors.telemetry import SLO
 from predictors.types import ROLES
 from scheduler.admission import check_headroom
 
-KINDS = ("vllm", "sim")
+KINDS = ("vllm", "sglang", "sim")
+#: The PD protocol (engine flavour, ``engines_adapters.drivers.FLAVORS``) an engine speaks unless
+#: its ``protocol`` says otherwise: the sim engine mirrors vLLM 0.33 by default.
+KIND_PROTOCOLS = {"vllm": "vllm", "sglang": "sglang", "sim": "vllm"}
+EMBEDDED_ENGINES = ("vllm", "sglang", "vllm-mooncake")  # the PD protocol the embedded sim engines speak
 TOKENIZERS = ("builtin", "engine", "hf")
 PREDICTORS = ("analytic", "learned")
 
@@ -39,6 +43,28 @@ class EngineConfig:
     api_key: str | None = field(default=None, repr=False)  # sent as a Bearer token (vLLM --api-key)
     # model names (base models, LoRA adapters) routed to this engine; None: all its /v1/models lists
     models: list[str] | None = None
+    protocol: str | None = None  # PD protocol / engine flavour; None: the kind's (KIND_PROTOCOLS)
+    bootstrap_port: int | None = None  # SGLang prefill: its bootstrap server's port (None: 8998)
+
+    @property
+    def flavor(self) -> str:
+        return self.protocol or KIND_PROTOCOLS[self.kind]
+
+
+@dataclass
+class StoreConfig:
+    """The shared KV store the gateway reads (docs/store.md): the Mooncake master's admin HTTP."""
+
+    url: str = ""  # the master's metrics/admin HTTP, e.g. http://127.0.0.1:9003
+    kv_events: str | None = None  # the master's KV-event PUB endpoint (events mode); None: query mode
+    key_recipe: str = "vllm"  # the engines' store keys: vllm (MooncakeStoreConnector) or sglang (HiCache)
+    model: str | None = None  # model name inside keys (default: the embedded engines' model)
+    hash_seed: str | None = "0"  # the engines' PYTHONHASHSEED (vLLM's chain seed); None: the gateway's own
+    hash_algo: str = "sha256"  # the engines' --prefix-caching-hash-algo (vllm recipe)
+    optional: bool = False  # unreachable at start: warn and run without (else exit 2)
+    cache_ttl_s: float = 1.0  # query mode: how long an answer is trusted
+    cache_max_keys: int = 1_000_000
+    timeout_s: float = 1.0
 
 
 @dataclass
@@ -49,7 +75,12 @@ class EmbeddedConfig:
     profile: str = "llama3-8b-h200"  # the sim engines' --profile (its public deployment is scheduled on)
     time_scale: float = 1.0
     seed: int = 0
+    engine: str = "vllm"  # the protocol the sim engines speak: vllm, sglang or vllm-mooncake
     extra_args: list[str] = field(default_factory=list)
+    # a conductor sim-store beside the engines: prefill engines load from it and write through,
+    # and the gateway's store tier reads its KV events
+    store: bool = True
+    store_gb: float = 64.0
 
 
 @dataclass
@@ -81,6 +112,7 @@ class GatewayConfig:
     keep_decisions: int = 1000
     policy_params: dict[str, Any] = field(default_factory=dict)
     prior: Prior = field(default_factory=Prior)  # the analytic predictors' rules of thumb ([prior])
+    store: StoreConfig | None = None  # the shared KV store ([store]); the embedded one when it runs
     # "analytic" (the roofline over public facts) or "learned" (conductor calibrate's models in
     # predictor_models; a term without a valid model falls back to analytic, logged)
     predictors: str = "analytic"
@@ -113,6 +145,7 @@ def parse_config(raw: dict[str, Any], environ: Mapping[str, str] | None = None) 
     embedded_raw = raw.pop("embedded", None)
     slo_raw = raw.pop("slo", None)
     prior_raw = raw.pop("prior", None)
+    store_raw = raw.pop("store", None)
     auth_raw = raw.pop("auth", None)
     cfg = _take(raw, GatewayConfig, "config")
     try:
@@ -127,6 +160,10 @@ def parse_config(raw: dict[str, Any], environ: Mapping[str, str] | None = None) 
         cfg.slo = SLO(ttft_s=_ms(slo_raw.get("ttft_ms")), tbt_s=_ms(slo_raw.get("tbt_ms")))
     if prior_raw is not None:
         cfg.prior = _prior(prior_raw)
+    if store_raw is not None:
+        if not isinstance(store_raw, dict):
+            raise ConfigError("store: expected a table")
+        cfg.store = _take(store_raw, StoreConfig, "store")
     if engines:
         cfg.embedded = None if embedded_raw is None else _take(embedded_raw, EmbeddedConfig, "embedded")
     elif embedded_raw is not None:
@@ -181,12 +218,20 @@ def validate(cfg: GatewayConfig) -> None:
         if e.models is not None and (not isinstance(e.models, list) or not e.models
                                      or not all(isinstance(m, str) and m for m in e.models)):
             raise ConfigError(f"engine {e.id}: models must be a non-empty list of model names")
+        from engines_adapters.drivers import FLAVORS
+
+        if e.protocol is not None and e.protocol not in FLAVORS:
+            raise ConfigError(f"engine {e.id}: protocol must be one of {tuple(FLAVORS)}, got {e.protocol!r}")
+        bp = e.bootstrap_port
+        if bp is not None and (not isinstance(bp, int) or isinstance(bp, bool) or not 0 < bp < 65536):
+            raise ConfigError(f"engine {e.id}: bootstrap_port must be a TCP port, got {bp!r}")
         if e.api_key is not None and (not isinstance(e.api_key, str) or not e.api_key):
             raise ConfigError(f"engine {e.id}: api_key must be a non-empty string")
         for name in ("kv_capacity_tokens", "max_model_len"):
             v = getattr(e, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
                 raise ConfigError(f"engine {e.id}: {name} must be a positive integer, got {v!r}")
+    check_protocol_pairs(cfg.engines)
     if not cfg.engines and cfg.embedded is None:
         raise ConfigError("no engines configured and the embedded cluster is disabled")
     if cfg.embedded is not None:
@@ -195,12 +240,28 @@ def validate(cfg: GatewayConfig) -> None:
             raise ConfigError("embedded: need at least one engine")
         if (em.prefill == 0) != (em.decode == 0):
             raise ConfigError("embedded: prefill and decode engines come in pairs (or use 'both')")
+        if em.engine not in EMBEDDED_ENGINES:
+            raise ConfigError(f"embedded: engine must be one of {EMBEDDED_ENGINES}, got {em.engine!r}")
         if em.time_scale <= 0:
             raise ConfigError("embedded: time_scale must be > 0")
         from engines_adapters.sim.profiles import profile_names  # the sim engines' own profiles
 
         if em.profile not in profile_names():
             raise ConfigError(f"embedded: unknown profile {em.profile!r}; known: {', '.join(profile_names())}")
+    if cfg.store is not None:
+        st = cfg.store
+        if not st.url.startswith(("http://", "https://")):
+            raise ConfigError(f"store: url must be http(s)://... (the master's admin HTTP), got {st.url!r}")
+        if st.key_recipe not in ("vllm", "sglang"):
+            raise ConfigError(f"store: key_recipe must be vllm or sglang, got {st.key_recipe!r}")
+        if st.kv_events is not None and not str(st.kv_events).startswith("tcp://"):
+            raise ConfigError(f"store: kv_events must be a tcp:// endpoint, got {st.kv_events!r}")
+        if st.cache_ttl_s < 0 or st.timeout_s <= 0 or st.cache_max_keys <= 0:
+            raise ConfigError("store: cache_ttl_s must be >= 0, timeout_s and cache_max_keys > 0")
+        if st.model is None and cfg.embedded is None:
+            raise ConfigError("store: model is required (the engines' model name, as it appears in store keys)")
+    if cfg.embedded is not None and cfg.embedded.store_gb <= 0:
+        raise ConfigError("embedded: store_gb must be > 0")
     if cfg.predictors not in PREDICTORS:
         raise ConfigError(f"predictors must be one of {PREDICTORS}, got {cfg.predictors!r}")
     if cfg.predictors == "learned" and not cfg.predictor_models:
@@ -227,6 +288,21 @@ def validate(cfg: GatewayConfig) -> None:
     cpt = cfg.prompt_chars_per_token
     if cpt is not None and (isinstance(cpt, bool) or not isinstance(cpt, (int, float)) or not cpt >= 1):
         raise ConfigError(f"prompt_chars_per_token must be a number >= 1, got {cpt!r}")
+
+
+def check_protocol_pairs(engines: list[EngineConfig]) -> None:
+    """KV never crosses engine families: every prefill-only instance needs a decode-only one
+    speaking its protocol, and the other way round (a "both" instance serves alone)."""
+    by_role: dict[str, dict[str, list[str]]] = {"prefill": {}, "decode": {}}
+    for e in engines:
+        if e.role in by_role:
+            by_role[e.role].setdefault(e.flavor, []).append(e.id)
+    for role, other in (("prefill", "decode"), ("decode", "prefill")):
+        for proto, ids in by_role[role].items():
+            if proto not in by_role[other] and by_role[other]:
+                peers = ", ".join(f"{i} ({p})" for p, group in by_role[other].items() for i in group)
+                raise ConfigError(f"engine {ids[0]} ({proto} {role}) has no {other} instance speaking {proto}; "
+                                  f"the {other} instances are {peers}: a pair never mixes protocols")
 
 
 def load_config(path: str | None) -> GatewayConfig:

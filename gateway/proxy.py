@@ -28,6 +28,7 @@ from gateway.auth import SCOPE_KEY
 from gateway.cluster import Cluster
 from gateway.config import GatewayConfig
 from gateway.errors import RequestError, error_response
+from gateway.indexer import Indexer
 from gateway.observability import GatewayMetrics, RequestSpans, TelemetryWriter
 from gateway.quotas import Quotas, Refusal
 from gateway.requests import (
@@ -96,6 +97,7 @@ class Proxy:
                  tokenizer: PromptTokenizer, tracer: trace.Tracer):
         self.cfg, self.cluster, self.metrics = cfg, cluster, metrics
         self.telemetry, self.tokenizer = telemetry, tokenizer
+        self.indexer: Indexer | None = None  # the indexer API, when served (gateway/app.py)
         self.sched = cluster.scheduler
         self._live: set[str] = set()  # request ids between arrival and finish
         self.quotas = Quotas({k.name: k.tenant.limits for k in cfg.auth.api_keys.values()}, time.monotonic)
@@ -162,6 +164,13 @@ class Proxy:
             facts = RequestFacts(rec.request_id, len(tokens), block_hashes(tokens, self.cfg.block_size, root),
                                  req.max_tokens, slo, tenant=key and key.name, model=req.model, adapter=lora,
                                  priority=key and key.tenant.priority)
+            ix = self.indexer  # (the indexer API and the store know the base namespace only)
+            if ix is not None and ix.remember_prompts and root is None:  # /query_by_hash in use: map this prompt
+                asyncio.get_running_loop().call_soon(ix.remember, tokens, facts.block_hashes)
+            tier = self.cluster.store_tier
+            if tier is not None and root is None:  # what the shared store holds of this prompt (None: tier stale)
+                usable = min(len(facts.block_hashes), (len(tokens) - 1) // self.cfg.block_size)
+                facts.store_blocks = await tier.lookup(tokens, facts.block_hashes, usable)
             try:
                 return await self._watching(request, self._place_and_drive(req, facts, guard))
             except ClientGone:

@@ -30,6 +30,7 @@ def main(argv: list[str]) -> int:
             HFTokenizer(cfg.tokenizer_path)
     except (ValueError, KeyError) as e:
         raise CLIError(f"bad configuration: {e.args[0] if e.args else e}") from None
+    _check_store(cfg)
     cfg.host = args.host or cfg.host
     cfg.port = cfg.port if args.port is None else args.port
     _check_bindable(cfg.host, cfg.port)
@@ -42,6 +43,27 @@ def main(argv: list[str]) -> int:
     uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level=args.log_level, access_log=False,
                 loop="uvloop", http="httptools", timeout_graceful_shutdown=5)
     return 0
+
+
+def _check_store(cfg) -> None:
+    """An explicit store must answer at start (exit 2 naming it); an optional one only warns."""
+    st = cfg.store
+    if st is None:
+        return
+    import json
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(st.url.rstrip("/") + "/health", timeout=max(1.0, st.timeout_s)) as r:
+            ok = r.status == 200 and json.loads(r.read()).get("status") == "ok"
+    except (OSError, ValueError, AttributeError):
+        ok = False
+    if not ok:
+        if not st.optional:
+            raise CLIError(f"cannot reach the KV store at {st.url} (its /health); start it, fix [store] url, "
+                           "or set [store] optional = true")
+        logging.getLogger("conductor").warning("the KV store at %s does not answer; running without it until "
+                                               "it does", st.url)
 
 
 def _check_bindable(host: str, port_: int) -> None:

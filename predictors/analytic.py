@@ -52,6 +52,10 @@ class Prior:
     * ``transfer_latency_ms`` 2: fixed cost of one KV transfer (RDMA setup, descriptor
       exchange), typically around a millisecond or a few.
     * ``chunk_tokens``: the chunked-prefill budget per step (vLLM's default for large models).
+    * ``store_gbps`` 21.75: one load from a Mooncake-style shared store, GB/s: the Transfer
+      Engine moves "up to 87 GB/s" over 4 x 200 Gbps RoCE (Mooncake README, "Performance"), one
+      transfer at one NIC's share; over TCP "about 2.4x" slower (set 9.06). Never above the
+      destination's NIC.
 
     Fixed latencies are in hardware milliseconds; a time-scaled :class:`Deployment` multiplies
     them by its ``time_scale``.
@@ -63,6 +67,7 @@ class Prior:
     step_overhead_ms: float = 2.0
     transfer_latency_ms: float = 2.0
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    store_gbps: float = 87.0 / 4
 
     def __post_init__(self) -> None:
         for name in ("prefill_mfu", "attn_mfu", "decode_mbu"):
@@ -73,6 +78,8 @@ class Prior:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or v < 0:
                 raise ValueError(f"prior {name} must be >= 0, got {v!r}")
+        if not isinstance(self.store_gbps, (int, float)) or self.store_gbps <= 0:
+            raise ValueError(f"prior store_gbps must be > 0, got {self.store_gbps!r}")
         if not isinstance(self.chunk_tokens, int) or self.chunk_tokens <= 0:
             raise ValueError(f"prior chunk_tokens must be a positive integer, got {self.chunk_tokens!r}")
 
@@ -99,6 +106,7 @@ class Roofline:
     transfer_latency_s: float
     kv_capacity_tokens: int
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    store_bytes_per_s: float = 0.0  # a load from the shared store (0: at the NIC)
 
     @classmethod
     def from_deployment(cls, d: Deployment, prior: Prior = Prior(),
@@ -121,6 +129,7 @@ class Roofline:
             transfer_latency_s=prior.transfer_latency_ms / 1e3 * d.time_scale,
             kv_capacity_tokens=max(1, cap),
             chunk_tokens=prior.chunk_tokens,
+            store_bytes_per_s=min(d.net_bytes_per_s, prior.store_gbps * 1e9 / d.time_scale),
         )
 
 
@@ -241,8 +250,8 @@ class AnalyticTransfer:
         dst = self.book.roofline(destination)
         if source == Tier.HOST:
             bandwidth, latency = dst.host_bytes_per_s, dst.transfer_latency_s
-        elif source == Tier.STORE:  # the store is reached over the destination's NIC
-            bandwidth, latency = dst.net_bytes_per_s, dst.transfer_latency_s
+        elif source == Tier.STORE:  # one store transfer, reached over the destination's NIC
+            bandwidth, latency = dst.store_bytes_per_s or dst.net_bytes_per_s, dst.transfer_latency_s
         else:
             src = self.book.roofline(source)
             bandwidth = min(src.net_bytes_per_s, dst.net_bytes_per_s)

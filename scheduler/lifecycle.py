@@ -155,6 +155,19 @@ class RequestLifecycle:
                 return d
         return None
 
+    def store_loaded(self, tokens: int, seconds: float) -> None:
+        """The prefill instance loaded part of the prompt's KV from the shared store (as it
+        reported): kept in the record and in the decision's explanation (/admin/decisions)."""
+        if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens <= 0:
+            return
+        if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or seconds < 0:
+            return
+        note = {"tokens": tokens, "seconds": float(seconds),
+                "note": f"pulled {tokens} tokens from the store in {seconds:.3f} s"}
+        self.record.extra["store_load"] = note
+        if self.placement is not None:
+            self.placement.explanation["store_load"] = note
+
     def handed_over(self) -> None:
         """A colocated ("both") instance gets the whole request: no separate prefill leg."""
         self._expect("handed_over", Phase.PLACED)

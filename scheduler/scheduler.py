@@ -51,7 +51,8 @@ STORE_ALLOWANCE_BLOCKS = 1 << 18
 class _Pools:
     """Candidate instances by side, with the context lengths that decide whether to filter."""
 
-    __slots__ = ("prefill", "decode", "prefill_max_len", "prefill_min_len", "decode_min_len", "prefill_only")
+    __slots__ = ("prefill", "decode", "prefill_max_len", "prefill_min_len", "decode_min_len", "prefill_only",
+                 "mixed")
 
     def __init__(self, prefill: list[Instance], decode: list[Instance], max_len: dict[str, int]):
         self.prefill, self.decode = prefill, decode
@@ -59,6 +60,8 @@ class _Pools:
         self.prefill_min_len = min((max_len[i.id] for i in prefill), default=0)
         self.decode_min_len = min((max_len[i.id] for i in decode), default=0)
         self.prefill_only = any(i.role == Role.PREFILL for i in prefill)
+        # whether the fleet mixes engine families (PD protocols): then pairs must match
+        self.mixed = len({i.protocol for i in prefill + decode}) > 1
 
 
 class Scheduler:
@@ -414,6 +417,9 @@ class Scheduler:
         if need > pools.decode_min_len:
             decode_pool = [i for i in decode_pool if self._max_len[i.id] >= need]
         prefill_pool = pools.prefill
+        if pools.mixed:  # a prefill-only instance needs a decode instance of its protocol
+            protos = {i.protocol for i in decode_pool}
+            prefill_pool = [i for i in prefill_pool if i.role == Role.BOTH or i.protocol in protos]
         if need > pools.prefill_min_len or (not decode_pool and pools.prefill_only):
             prefill_pool = [i for i in prefill_pool
                             if self._max_len[i.id] >= need and (i.role == Role.BOTH or decode_pool)]
@@ -431,6 +437,9 @@ class Scheduler:
         except TypeError:
             raise _Refused(BAD_REQUEST, "bad_block_hashes", "block hashes must be integers") from None
         ctx.store_blocks = ctx.match.store
+        told = getattr(facts, "store_blocks", None)
+        if isinstance(told, int) and not isinstance(told, bool) and told > ctx.store_blocks:
+            ctx.store_blocks = min(told, usable)
         ctx.usable_blocks = usable
         if self._inflight:
             self.inflight.expire(ctx.now)
@@ -461,6 +470,9 @@ class Scheduler:
         prefill_done_at = ctx.now + ctx.prefill_ready_s
         if self.early_rejection:  # decode load predicted when this prefill finishes (Mooncake §7.4)
             ctx.decode = self._decode_candidates(ctx.decode_pool, ctx.facts, ctx.now, prefill_done_at)
+        if p.role != Role.BOTH and self._pools(frozenset()).mixed:  # never mix protocols
+            proto = self._instances[p.id].protocol
+            ctx.decode = [d for d in ctx.decode if self._instances[d.id].protocol == proto]
         self._kv_waits(ctx, prefill_done_at)
         if p.role != Role.BOTH:
             dc = self.policy.choose_decode(ctx, p)

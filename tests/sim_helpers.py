@@ -51,6 +51,8 @@ def _env() -> dict[str, str]:
 class SimEngineProcess:
     """A sim-engine subprocess; use as a context manager."""
 
+    command = "sim-engine"
+
     def __init__(self, *args: str, role: str = "both", time_scale: float = 0.05, startup_timeout: float = 20.0):
         self.args = ["--role", role, "--port", "0", "--time-scale", str(time_scale), *args]
         self.startup_timeout = startup_timeout
@@ -62,7 +64,7 @@ class SimEngineProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> "SimEngineProcess":
-        self.proc = subprocess.Popen([*CONDUCTOR, "sim-engine", *self.args], cwd=ROOT,
+        self.proc = subprocess.Popen([*CONDUCTOR, self.command, *self.args], cwd=ROOT,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
         try:
             line = self._ready_line()
@@ -79,14 +81,14 @@ class SimEngineProcess:
         try:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"sim-engine exited {self.proc.returncode}: {self.proc.stderr.read()}")
+                    raise RuntimeError(f"{self.command} exited {self.proc.returncode}: {self.proc.stderr.read()}")
                 if sel.select(timeout=0.1):
                     line = self.proc.stdout.readline()
-                    if "sim-engine ready" in line:
+                    if f"{self.command} ready" in line:
                         return line
         finally:
             sel.close()
-        raise RuntimeError("sim-engine did not become ready in time")
+        raise RuntimeError(f"{self.command} did not become ready in time")
 
     def stop(self) -> None:
         p = self.proc
@@ -139,3 +141,15 @@ class SimEngineProcess:
             if line.startswith(name + "{") or line.startswith(name + " "):
                 return float(line.rsplit(" ", 1)[1])
         raise KeyError(name)
+
+
+class SimStoreProcess(SimEngineProcess):
+    """A ``conductor sim-store`` subprocess (same tiny client); use as a context manager."""
+
+    command = "sim-store"
+
+    def __init__(self, *args: str, time_scale: float = 0.05, startup_timeout: float = 20.0):
+        self.args = ["--port", "0", "--time-scale", str(time_scale), *args]
+        self.startup_timeout = startup_timeout
+        self.proc = None
+        self.port = 0

@@ -104,6 +104,10 @@ class VLLMTwoStepDriver:
                 raise UpstreamHTTPError(502, data, pair.prefill.id) from None
             # the prefill instance's own prefix hits
             hooks.prefill_finished((usage.get("prompt_tokens_details") or {}).get("cached_tokens"))
+            store = answer.get("kv_store")  # the sim engine's store connector: what it loaded
+            note = getattr(hooks, "store_loaded", None)
+            if isinstance(store, dict) and note is not None:
+                note(store.get("loaded_tokens"), store.get("load_s"))
         resp = await pair.decode.open(request.path, decode_body(request.body, params), request.headers)
         if resp.status != 200:
             try:

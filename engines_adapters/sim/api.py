@@ -28,6 +28,7 @@ from .driver import EngineDriver, RequestStream
 from .metrics import EngineMetrics
 from .model import SimRequest
 from .pd import KVParams, KVParamsError, KVPuller, PullError, parse_kv_params, prefill_response_params
+from .store_link import StoreLink
 
 _json = msgspec.json.Encoder()
 _ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 409: "ConflictError", 410: "GoneError",
@@ -78,6 +79,8 @@ class _Gen:
     kv: KVParams | None
     cache_salt: str | None = None
     lora: str | None = None  # the LoRA adapter the request names as its model
+    native: bool = False  # SGLang's /generate (its own response shape)
+    block_hashes: list[int] | None = None  # the prompt's cache keys when a flavour namespaces them itself
 
 
 def _int_field(body: dict, key: str) -> int | None:
@@ -101,11 +104,13 @@ def _bool_field(body: dict, key: str, default: bool = False) -> bool:
 
 
 class OpenAIApi:
-    def __init__(self, info: ServerInfo, driver: EngineDriver, metrics: EngineMetrics, puller: KVPuller):
+    def __init__(self, info: ServerInfo, driver: EngineDriver, metrics: EngineMetrics, puller: KVPuller,
+                 store: StoreLink | None = None):
         self.info = info
         self.driver = driver
         self.metrics = metrics
         self.puller = puller
+        self.store = store  # the shared KV store connector (--kv-store), or None
         self.tok = ByteTokenizer()
         self._names = {info.served_name, info.hf_name, *info.aliases}
         self._remote: dict[str, KVParams] = {}  # decode requests whose prefill still holds KV
@@ -291,10 +296,7 @@ class OpenAIApi:
         if so is not None and not isinstance(so, dict):
             raise ApiError(400, "'stream_options' must be an object", "stream_options")
         include_usage = _bool_field(so or {}, "include_usage")
-        try:
-            kv = parse_kv_params(body.get("kv_transfer_params"))
-        except KVParamsError as e:
-            raise ApiError(400, str(e), "kv_transfer_params") from None
+        kv = self._kv_params(body, prompt)
         if kv is not None:
             if kv.do_remote_decode and self.info.role == "decode":
                 raise ApiError(400, "this is a decode instance: it cannot serve do_remote_decode", "kv_transfer_params")
@@ -307,6 +309,18 @@ class OpenAIApi:
         if salt is not None and (not isinstance(salt, str) or not salt):  # vLLM's own check and message
             raise ApiError(400, "Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
         return _Gen(chat, prompt, max_tokens, _bool_field(body, "ignore_eos"), stream, include_usage, kv, salt, lora)
+
+    def _kv_params(self, body: dict, prompt: list[int]) -> KVParams | None:
+        """The request's PD role (vLLM: ``kv_transfer_params``); a flavour overrides this."""
+        try:
+            return parse_kv_params(body.get("kv_transfer_params"))
+        except KVParamsError as e:
+            raise ApiError(400, str(e), "kv_transfer_params") from None
+
+    async def _before_end(self, g: _Gen, rid: str) -> str | None:
+        """Runs when the request finished, before its last bytes go out; an error message ends
+        it as failed instead (SGLang's prefill answers only once its KV was handed over)."""
+        return None
 
     def _request_id(self, request: web.Request) -> str:
         rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
@@ -321,7 +335,11 @@ class OpenAIApi:
             g = self._parse(await self._body(request), chat)
         except ApiError as e:
             return error_response(e.status, e.message, e.param, echo)
-        rid = self._request_id(request)
+        return await self._run(request, g, echo)
+
+    async def _run(self, request: web.Request, g: _Gen, echo: dict, rid: str | None = None) -> web.StreamResponse:
+        """Pull the prompt's KV when the request asks (PD decode side), run it, answer it."""
+        rid = rid or self._request_id(request)
         remote = g.kv is not None and g.kv.do_remote_prefill
         if remote:
             try:
@@ -341,7 +359,9 @@ class OpenAIApi:
                                            f"this prompt has {len(g.prompt)}", "kv_transfer_params", echo)
         req = SimRequest(rid, g.prompt, g.max_tokens, output_len=g.max_tokens if g.ignore_eos else None,
                          hold_kv=bool(g.kv and g.kv.do_remote_decode), remote_kv=remote, cache_salt=g.cache_salt,
-                         lora_name=g.lora)
+                         lora_name=g.lora, block_hashes=g.block_hashes)
+        if self.store is not None and not remote and not (g.cache_salt or req.lora_name):
+            req.store_blocks, req.store_fetched, req.store_load_s = await self.store.prefetch(g.prompt)
         try:
             st = self.driver.submit(req)
         except ValueError as e:
@@ -351,6 +371,8 @@ class OpenAIApi:
         if remote:
             self._remote[rid] = g.kv
         try:
+            if g.native:
+                return await self._native(request, st, g, rid, echo)
             if g.stream:
                 return await self._stream(request, st, g, rid, echo)
             return await self._complete(st, g, rid, echo)
@@ -360,6 +382,10 @@ class OpenAIApi:
             p = self._remote.pop(rid, None)
             if p is not None:
                 self.puller.release(p)
+
+    async def _native(self, request: web.Request, st: RequestStream, g: _Gen, rid: str,
+                      echo: dict) -> web.StreamResponse:
+        return error_response(404, "/generate is SGLang's native API: run the engine with --flavor sglang", None, echo)
 
     def _usage(self, st: RequestStream) -> dict:
         f = st.finished
@@ -392,6 +418,9 @@ class OpenAIApi:
                 st.tokens = []
             if st.finished is not None:
                 break
+        err = await self._before_end(g, rid)
+        if err is not None:
+            return error_response(500, err, None, echo)
         f = st.finished
         text = self.tok.decode(tokens)
         choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": f.reason, "stop_reason": None}
@@ -406,6 +435,8 @@ class OpenAIApi:
         kvp = self._kv_params_out(g, rid)
         if kvp is not None:
             body["kv_transfer_params"] = kvp
+        if f.store_tokens:  # what the store connector loaded (a router can show it; others ignore it)
+            body["kv_store"] = {"loaded_tokens": f.store_tokens, "load_s": f.transfer_s}
         return _json_response(body, self._timing_headers(st, echo))
 
     async def _stream(self, request: web.Request, st: RequestStream, g: _Gen, rid: str,
@@ -439,7 +470,12 @@ class OpenAIApi:
                 await resp.prepare(request)
                 out = first_chunk + out
             if st.finished is not None:
-                out += self._final_chunks(st, g, rid, created, model)
+                err = await self._before_end(g, rid)
+                if err is not None:
+                    out += b"data: " + _json.encode({"error": {"message": err, "type": "InternalServerError",
+                                                               "code": 500}}) + b"\n\ndata: [DONE]\n\n"
+                else:
+                    out += self._final_chunks(st, g, rid, created, model)
                 await resp.write(out)
                 break
             if out:

@@ -52,12 +52,14 @@ class RequestStream:
 class EngineDriver:
     def __init__(self, engine: EngineModel, *, time_scale: float = 1.0, metrics: EngineMetrics | None = None,
                  publisher: KVEventPublisher | None = None,
-                 on_kv_loaded: Callable[[str], None] | None = None):
+                 on_kv_loaded: Callable[[str], None] | None = None,
+                 on_store_writes: Callable[[list], None] | None = None):
         self.engine = engine
         self.scale = time_scale
         self.metrics = metrics
         self.publisher = publisher
         self.on_kv_loaded = on_kv_loaded
+        self.on_store_writes = on_store_writes  # prompts to write through to the shared store
         self._streams: dict[str, RequestStream] = {}
         self._wake = asyncio.Event()
         self._loop = asyncio.get_running_loop()
@@ -147,6 +149,8 @@ class EngineDriver:
     def _after(self, res: StepResult) -> None:
         if res.events and self.publisher is not None:
             self.publisher.publish(time.time(), res.events)
+        if res.store_writes and self.on_store_writes is not None:
+            self.on_store_writes(res.store_writes)
         if res.kv_loaded and self.on_kv_loaded is not None:
             for rid in res.kv_loaded:
                 self.on_kv_loaded(rid)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import zlib
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from ..kv_wire import MEDIUM_CPU, MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored
 
@@ -81,8 +81,10 @@ class KVCache:
         self.events: list | None = [] if events else None
         self.meta: dict[int, Block] | None = {} if events and meta else None
         self.evictions = 0
+        self.on_evict: Callable[[list[int]], None] | None = None  # evicted hashes (a store's write-back)
         self.offloads = 0
         self.merge_removals = merge_removals
+        self.host_medium = MEDIUM_CPU  # the host tier's name in events (SGLang: CPU_PINNED)
 
     # --- capacity ---------------------------------------------------------------------------
     def num_free(self) -> int:
@@ -130,6 +132,8 @@ class KVCache:
             self._base = base + i
             self._head = 0
         self.evictions += k
+        if self.on_evict is not None:
+            self.on_evict(evicted)
         if self.host_capacity:  # per block: each removal is followed by its offload's events
             meta = self.meta
             for h in evicted:
@@ -156,12 +160,12 @@ class KVCache:
                                            parent_block_hash=m.parent_vh if m is not None else None,
                                            token_ids=list((m.tokens if m is not None else None) or ()),
                                            block_size=self.block_size, lora_id=lora_int_id(lora),
-                                           medium=MEDIUM_CPU, lora_name=lora,
+                                           medium=self.host_medium, lora_name=lora,
                                            extra_keys=[m.keys if m is not None else None], group_idx=0))
         if len(host) > self.host_capacity:
             old_h, old = host.popitem(last=False)
             if self.events is not None:
-                self._removed([old.vh if old is not None else old_h], MEDIUM_CPU)
+                self._removed([old.vh if old is not None else old_h], self.host_medium)
 
     def _removed(self, vhs: list[int], medium: str) -> None:
         """One BlockRemoved per block, as vLLM's BlockPool sends them (group 0: one KV-cache group)."""

@@ -53,6 +53,10 @@ class _EngineCollector:
         yield gauge("sim:kv_cache_free_blocks", "Free or evictable KV blocks.", st.kv_free_blocks)
         yield gauge("sim:host_cache_blocks", "Blocks held by the host-memory tier.", st.host_blocks)
         yield counter("sim:host_cache_hits", "Prefix tokens reloaded from the host tier.", st.host_hits)
+        yield counter("sim:store_hits", "Prefix tokens loaded from the shared KV store.", st.store_hits)
+        yield counter("sim:store_loads", "KV loads from the shared store.", st.store_loads)
+        yield counter("sim:store_load_seconds", "Modelled seconds spent loading KV from the shared store.",
+                      st.store_load_s)
         yield self._cache_config_info()
 
     def _cache_config_info(self) -> GaugeMetricFamily:

@@ -22,6 +22,7 @@ import math
 import os
 import random
 from collections import deque
+from typing import TYPE_CHECKING
 
 from predictors.types import ROLES
 from scheduler.hashing import (
@@ -36,11 +37,15 @@ from scheduler.hashing import (
 )
 
 from ..kv_wire import MEDIUM_GPU, BlockStored
+from ..sglang_wire import MEDIUM_HOST as SGLANG_MEDIUM_HOST, digest_to_event_id, page_digests, salt_seed
 from .kv_cache import Block, KVCache, lora_int_id
 from .profiles import Profile
 from .records import EngineStats, Finished, FirstToken, HeldKV, SimRequest, StepResult
 from .text import OutputSampler
 from .timing import StepTimer
+
+if TYPE_CHECKING:
+    from ..store.connector import StoreConnector
 
 __all__ = ["ROLES", "EngineModel", "EngineStats", "Finished", "FirstToken", "HeldKV", "SimRequest", "StepResult"]
 
@@ -55,7 +60,8 @@ class _Seq:
                  "hashes", "nb", "n_alloc", "cap", "computed", "num_out", "out_off", "state",
                  "looked_up", "arrival", "scheduled", "first_token", "cached_tokens", "transfer_s",
                  "preemptions", "load_kind", "load_hits", "load_start", "hold_expires", "decoding", "loaded",
-                 "lookup_hits", "root", "salt", "lora")
+                 "lookup_hits", "root", "salt", "lora", "store_blocks", "store_fetched", "store_load_s",
+                 "store_loaded")
 
     def __init__(self, req: SimRequest, now: float, hashes: list[int], out_off: int, target: int):
         self.rid = req.request_id
@@ -91,6 +97,8 @@ class _Seq:
         self.salt = req.cache_salt or None
         self.lora = req.lora_name or None
         self.root = namespace_parent(self.salt, self.lora)  # the chain's root: its prefix-cache namespace
+        self.store_blocks, self.store_fetched, self.store_load_s = req.store_blocks, req.store_fetched, req.store_load_s
+        self.store_loaded = 0  # blocks loaded from the shared store
 
     @property
     def num_tokens(self) -> int:
@@ -105,7 +113,18 @@ class EngineModel:
                  kv_hold_timeout: float = 30.0,
                  net_bytes_per_s: float | None = None, transfer_latency_s: float | None = None,
                  host_bytes_per_s: float | None = None, median_output: int = 128,
-                 max_model_len: int | None = None, hash_algo: str = "sha256", int_block_hashes: bool = True):
+                 max_model_len: int | None = None, hash_algo: str = "sha256", int_block_hashes: bool = True,
+                 store: StoreConnector | None = None, store_writes: bool = False,
+                 store_policy: str = "write_through"):
+        """``store``: a store connector the engine calls itself (the simulator); ``store_writes``:
+        report prefills in ``StepResult.store_writes`` for a driver that writes to the store (the
+        live engine, which loads what ``SimRequest.store_blocks`` says); ``store_policy``:
+        ``write_through`` (after each prefill, HiCache's default) or ``write_back`` (blocks go to
+        the store when the device evicts them; an in-process connector only)."""
+        if store_policy not in ("write_through", "write_back"):
+            raise ValueError(f"store_policy must be write_through or write_back, got {store_policy!r}")
+        if store_policy == "write_back" and store is None and store_writes:
+            raise ValueError("write_back needs an in-process store connector (the simulator's)")
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         if block_size <= 0 or max_num_seqs <= 0 or max_num_batched_tokens <= 0:
@@ -142,8 +161,12 @@ class EngineModel:
         self._rng = random.Random(seed)
         self.sampler = OutputSampler(seed, median_output)
         self._corpus = self.sampler.corpus
-        if event_hashes not in ("vllm", "index"):
-            raise ValueError(f"event_hashes must be 'vllm' or 'index', got {event_hashes!r}")
+        if event_hashes not in ("vllm", "index", "sglang"):
+            raise ValueError(f"event_hashes must be 'vllm', 'sglang' or 'index', got {event_hashes!r}")
+        # "sglang": SGLang's page ids (SHA-256 chain, signed int64) and its host medium name
+        self._sglang_ids = event_hashes == "sglang"
+        if self._sglang_ids:
+            self.kv.host_medium = SGLANG_MEDIUM_HOST
         # "vllm": events name blocks by vLLM's sha256 ids, as on the wire; "index": by the chained
         # xxhash the engine already keys its cache by, removals merged (the simulator's choice: a
         # subscriber re-hashes the events' token ids either way, sha256 per block dominates its run
@@ -158,7 +181,7 @@ class EngineModel:
         except ValueError:
             vllm_hash_fn(hash_algo)  # an unknown algo is an error; a missing seed is vLLM's random one
             seed_text = os.urandom(32).hex()
-        self._none_digest = vllm_none_hash(seed_text, hash_algo) if kv_events and not self._index_ids else None
+        self._none_digest = vllm_none_hash(seed_text, hash_algo) if kv_events and event_hashes == "vllm" else None
         self._waiting: deque[_Seq] = deque()
         self._prefilling: list[_Seq] = []
         self._decoding: list[_Seq] = []
@@ -173,6 +196,15 @@ class EngineModel:
         self.prefix_hits = 0
         self.host_hits = 0
         self.num_preemptions = 0
+        self.store = store
+        self.store_writes = store_writes
+        self.write_back = store_policy == "write_back" and store is not None
+        self._now = 0.0  # the current step's start (evictions during it are written back then)
+        if self.write_back:
+            self.kv.on_evict = self._written_back
+        self.store_hits = 0
+        self.store_loads = 0
+        self.store_load_s = 0.0
 
     # --- requests ---------------------------------------------------------------------------
     def add_request(self, req: SimRequest, now: float) -> None:
@@ -273,12 +305,14 @@ class EngineModel:
             waiting=len(self._waiting) + loading, loading=loading, held=len(self._held),
             kv_usage=kv.usage(), kv_capacity_blocks=kv.capacity, kv_free_blocks=kv.num_free(),
             queued_prefill_tokens=queued, prefix_queries=self.prefix_queries, prefix_hits=self.prefix_hits,
-            host_hits=self.host_hits, preemptions=self.num_preemptions, host_blocks=len(kv.host))
+            host_hits=self.host_hits, preemptions=self.num_preemptions, host_blocks=len(kv.host),
+            store_hits=self.store_hits, store_loads=self.store_loads, store_load_s=self.store_load_s)
 
     # --- the step ---------------------------------------------------------------------------
     def step(self, now: float) -> StepResult:
         """Schedule and 'run' one batch starting at ``now``; see the module docstring."""
         res = StepResult(start=now)
+        self._now = now
         if self._loading or self._held_order:
             self._run_timers(now, res)
         kv = self.kv
@@ -394,6 +428,8 @@ class EngineModel:
         res.prefill_tokens = prefill_tokens
         res.decode_seqs = n_decode
         end = now + dur
+        if first and (self.store is not None or self.store_writes) and not self.write_back:
+            self._write_through(first, end, res)
         for s in first:
             s.first_token = end
             res.first_tokens.append(FirstToken(s.rid, s.arrival, s.scheduled if s.scheduled is not None else now,
@@ -430,7 +466,8 @@ class EngineModel:
         res.finished.append(Finished(
             s.rid, reason, s.P, s.num_out, max(0, s.cached_tokens), s.arrival,
             s.scheduled if s.scheduled is not None else s.arrival,
-            s.first_token if s.first_token is not None else end, end, s.transfer_s, s.preemptions, s.hold_kv))
+            s.first_token if s.first_token is not None else end, end, s.transfer_s, s.preemptions, s.hold_kv,
+            s.store_loaded * self.block_size))
         if s.hold_kv:
             s.state = HELD
             s.hold_expires = end + self.kv_hold_timeout
@@ -504,8 +541,9 @@ class EngineModel:
         remote = s.remote_kv and not s.remote_done
         # a remote pull brings everything beyond the device hits: host copies are not used (nor counted)
         hh = kv.match_host(s.hashes, g, limit) if kv.host_capacity and not remote else 0
-        if remote or hh:
-            need = (-(-s.P // bs) - g) if remote else hh
+        sb, store_ready = (0, now) if remote else self._store_lookup(s, g + hh, limit, now)
+        if remote or hh or sb:
+            need = (-(-s.P // bs) - g) if remote else hh + sb
             if not kv.alloc(need):
                 kv.release(s.hashes, g, 0)
                 return _BLOCKED
@@ -522,17 +560,23 @@ class EngineModel:
                 self._net_free_at = start + nbytes / self.net_bytes_per_s
                 ready = self._net_free_at + self.transfer_latency_s
                 s.load_kind = _REMOTE
-            else:
-                nbytes = hh * bs * self._kv_bytes
-                start = max(now, self._host_free_at)
-                self._host_free_at = start + nbytes / self.host_bytes_per_s
-                ready = self._host_free_at
+            else:  # the host-tier part at host bandwidth, the store part as the store modelled it
+                ready = store_ready
+                if hh:
+                    start = max(now, self._host_free_at)
+                    self._host_free_at = start + hh * bs * self._kv_bytes / self.host_bytes_per_s
+                    ready = max(ready, self._host_free_at)
                 s.load_kind = _HOST
-            s.load_hits = (g, hh)
+            s.load_hits = (g, hh + sb)
             s.load_start = now
             self.prefix_queries += s.num_tokens
-            self.prefix_hits += (g + hh) * bs
+            self.prefix_hits += (g + hh + sb) * bs
             self.host_hits += hh * bs
+            if sb:
+                s.store_loaded += sb
+                self.store_hits += sb * bs
+                self.store_loads += 1
+                self.store_load_s += store_ready - now
             if s.scheduled is None:
                 s.scheduled = now
             heapq.heappush(self._loading, (ready, next(self._tie), s))
@@ -544,6 +588,34 @@ class EngineModel:
         s.looked_up = True
         s.lookup_hits = g * bs
         return _READY
+
+    def _store_lookup(self, s: _Seq, start: int, limit: int, now: float) -> tuple[int, float]:
+        """Blocks beyond ``start`` to load from the shared store, and when the load ends."""
+        if start >= limit:
+            return 0, now
+        if self.store is not None:
+            return self.store.lookup(s.hashes, start, limit, now)
+        have = min(s.store_blocks, limit)
+        if have <= start or s.store_fetched <= 0:
+            return 0, now
+        sb = have - start  # the engine's own prefix may have grown since the store was asked
+        return sb, now + s.store_load_s * min(1.0, sb / s.store_fetched)
+
+    def _written_back(self, hashes: list[int]) -> None:
+        assert self.store is not None
+        self.store.write_blocks(hashes, self._now)
+
+    def _write_through(self, first: list[_Seq], end: float, res: StepResult) -> None:
+        """Prompts just prefilled here go to the store (not a pulled one: its prefill side writes)."""
+        bs = self.block_size
+        for s in first:
+            n = s.P // bs
+            if s.remote_kv or n == 0:
+                continue
+            if self.store is not None:  # keyed by the namespaced chain: tenants never share
+                self.store.write(s.hashes, n, end)
+            elif s.salt is None and s.lora is None:  # the live connector's keys know no namespace
+                res.store_writes.append((s.rid, s.prompt[:n * bs], s.hashes[:n]))
 
     def _run_timers(self, now: float, res: StepResult) -> None:
         loaded: list[_Seq] = []
@@ -620,6 +692,8 @@ class EngineModel:
             # as vLLM's BlockPool: one extra-keys entry per block (LoRA name, salt on block 0), group 0
             keys = ([vllm_extra_keys(a + off == 0, lora, salt) for off in range(b - a)] if lora or salt
                     else [None] * (b - a))
+            if self._sglang_ids and salt:  # SGLang names the salt on every event of a salted chain
+                keys = [(salt,)] * (b - a)
             if meta is None:  # index ids, no host tier: a block's id is its hash
                 events.append(BlockStored(
                     block_hashes=hashes_all[a:b], parent_block_hash=hashes_all[a - 1] if a else None,
@@ -636,10 +710,16 @@ class EngineModel:
                                     tuple(tokens[off * bs:(off + 1) * bs]) if keep_tokens else None, keys[off], lora)
                     hashes.append(h)
             else:
-                digests = vllm_block_digests(tokens, bs, parent=parent.vdigest if parent else self._none_digest,
-                                             algo=self.hash_algo, lora_name=lora, cache_salt=salt, first=a == 0)
+                if self._sglang_ids:  # a page chains from its parent page's digest (the root: none, or the salt's)
+                    digests = page_digests(tokens, bs, parent.vdigest if parent else salt_seed(salt))
+                else:
+                    digests = vllm_block_digests(tokens, bs, parent=parent.vdigest if parent else self._none_digest,
+                                                 algo=self.hash_algo, lora_name=lora, cache_salt=salt, first=a == 0)
                 for off, d in enumerate(digests):
-                    vh = digest_to_int(d) if self._int_ids else d
+                    if self._sglang_ids:
+                        vh = digest_to_event_id(d)
+                    else:
+                        vh = digest_to_int(d) if self._int_ids else d
                     meta[hashes_all[a + off]] = Block(vh, d, parent_vh if off == 0 else hashes[-1],
                                                       tuple(tokens[off * bs:(off + 1) * bs]) if keep_tokens else None,
                                                       keys[off], lora)

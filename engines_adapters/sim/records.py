@@ -29,6 +29,12 @@ class SimRequest:
     block_hashes: list[int] | None = None
     cache_salt: str | None = None
     lora_name: str | None = None
+    # the live engine's store connector asked the store before queueing the request: the store
+    # holds the prompt's first ``store_blocks`` blocks, and loading the ``store_fetched`` of them
+    # beyond this engine's own prefix takes ``store_load_s`` (modelled) seconds
+    store_blocks: int = 0
+    store_fetched: int = 0
+    store_load_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -47,6 +53,7 @@ class Finished:
     transfer_s: float  # KV load time (remote pull or host-tier reload)
     preemptions: int
     kv_held: bool  # KV kept for a decode instance to pull (prefill side of PD)
+    store_tokens: int = field(default=0, repr=False)  # of cached_tokens, loaded from the shared store
 
 
 @dataclass(slots=True)
@@ -74,6 +81,9 @@ class StepResult:
     expired: list[str] = field(default_factory=list)  # held KV freed by the hold timeout
     preempted: list[str] = field(default_factory=list)
     events: list = field(default_factory=list)  # kv_wire events, in order
+    # prompts whose prefill ended in this step, for a store write-through: (request id, prompt
+    # tokens, their block hashes); filled only when the engine writes to a store it does not hold
+    store_writes: list[tuple[str, list[int], list[int]]] = field(default_factory=list)
 
     @property
     def end(self) -> float:
@@ -110,3 +120,8 @@ class EngineStats:
     host_hits: int
     preemptions: int
     host_blocks: int
+    # the shared store (out of the repr, which golden runs pin): prefix tokens loaded from it, loads,
+    # and modelled seconds spent loading (summed per load)
+    store_hits: int = field(default=0, repr=False)
+    store_loads: int = field(default=0, repr=False)
+    store_load_s: float = field(default=0.0, repr=False)

@@ -8,6 +8,7 @@ import os
 import sys
 
 from engines_adapters.sim.profiles import profile_names
+from engines_adapters.store.model import StoreSpec
 from predictors.cli_args import CLIError, Parser, non_negative_float, non_negative_int, positive_float, positive_int
 from predictors.learned import ModelError, load_models
 from predictors.registry import predictor_names
@@ -44,6 +45,21 @@ def build_parser() -> Parser:
                    help="delay from a step's end to its KV events reaching the hit index (default 2, as measured live)")
     c.add_argument("--poll-interval", type=positive_float, default=1.0, metavar="S",
                    help="engine load reports to the scheduler, as the gateway's health poll (default 1 s)")
+    st = p.add_argument_group("shared KV store (Mooncake-style; docs/store.md)")
+    st.add_argument("--store", action="store_true",
+                    help="engines write prompts through to a shared store and load from it what they lack")
+    st.add_argument("--store-nodes", type=positive_int, metavar="N",
+                    help="store nodes (default: one per instance, each lending host DRAM)")
+    st.add_argument("--store-gb", type=positive_float, default=64.0, help="DRAM per store node, GB (default 64)")
+    st.add_argument("--store-ssd-gb", type=non_negative_float, default=0.0, help="SSD per store node, GB (0: none)")
+    st.add_argument("--store-replicas", type=positive_int, default=1)
+    st.add_argument("--store-protocol", choices=("rdma", "tcp"), default="rdma",
+                    help="Transfer Engine bandwidth figures to model (default rdma)")
+    st.add_argument("--store-blocks-per-object", type=positive_int, default=1,
+                    help="KV blocks per store object (1: one per block, as vLLM's store connector)")
+    st.add_argument("--store-write-back", action="store_true",
+                    help="write blocks to the store when a device evicts them (HiCache's write_back), "
+                         "not after every prefill")
     s = p.add_argument_group("scheduler")
     s.add_argument("--policy", default="conductor", help=f"policy: {', '.join(POLICIES)}")
     s.add_argument("--policy-param", type=policy_param, action="append", default=[], metavar="KEY=VALUE",
@@ -86,6 +102,17 @@ def _policies(a: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
     return names, params
 
 
+def _store_spec(a: argparse.Namespace) -> StoreSpec | None:
+    if not a.store:
+        return None
+    kw = dict(nodes=a.store_nodes or (a.prefill + a.decode + a.both), dram_bytes=int(a.store_gb * 1e9),
+              ssd_bytes=int(a.store_ssd_gb * 1e9), replicas=a.store_replicas)
+    try:
+        return StoreSpec.tcp(**kw) if a.store_protocol == "tcp" else StoreSpec(**kw)
+    except ValueError as e:
+        raise CLIError(f"--store: {e}") from None
+
+
 def _check_out(out: str) -> None:
     try:
         os.makedirs(out, exist_ok=True)
@@ -122,12 +149,15 @@ def main(argv: list[str]) -> int:
         raise CLIError("--early-rejection and --late-rejection exclude each other")
     policies, params = _policies(a)
     _check_out(a.out)
+    store = _store_spec(a)
     w = workload_from_args(a, log)
     cluster = ClusterSpec(prefill=a.prefill, decode=a.decode, both=a.both, profile=a.profile, block_size=a.block_size,
                           noise=a.noise, seed=a.seed, kv_event_lag_s=a.kv_event_lag_ms / 1000,
                           poll_interval_s=a.poll_interval,
                           engine={"max_num_batched_tokens": a.max_num_batched_tokens, "max_num_seqs": a.max_num_seqs,
-                                  "host_tier_tokens": a.host_tier_tokens})
+                                  "host_tier_tokens": a.host_tier_tokens},
+                          store=store, store_blocks_per_object=a.store_blocks_per_object,
+                          store_policy="write_back" if a.store_write_back else "write_through")
     sched = SchedulerSpec(policy=policies[0], policy_params=params, slo=w.slo, early_rejection=a.early_rejection,
                           late_rejection=a.late_rejection,
                           seed=a.seed)

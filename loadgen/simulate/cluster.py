@@ -10,7 +10,11 @@ What the live path does, modelled here step for step:
   model), streams the tokens (each one a ``token`` at the end of the step that made it) and
   finishes; the prefill side frees the held KV once the pull is done;
 * KV events reach the hit index ``kv_event_lag_s`` after the step that produced them, and the
-  engines' load is reported to the scheduler every ``poll_interval_s``, as the gateway polls.
+  engines' load is reported to the scheduler every ``poll_interval_s``, as the gateway polls;
+* with a shared store (``ClusterSpec.store``): one :class:`StoreModel` for the cluster, every
+  prefill-capable engine writes its prompts through to it and loads from it what its own cache
+  lacks (engines_adapters/store/connector.py), and each decision is told how many of the prompt's
+  blocks the store holds now (the gateway's store tier with no event lag).
 """
 from __future__ import annotations
 
@@ -20,6 +24,8 @@ from typing import Any, Callable
 from engines_adapters.kv_events import apply_events
 from engines_adapters.sim.model import EngineModel, SimRequest, StepResult
 from engines_adapters.sim.profiles import load_profile
+from engines_adapters.store.connector import ModelConnector
+from engines_adapters.store.model import StoreModel, StoreSpec
 from predictors.base import Predictors
 from predictors.telemetry import SLO, RequestRecord
 from predictors.types import Role
@@ -46,6 +52,9 @@ class ClusterSpec:
     kv_event_lag_s: float = 0.002
     poll_interval_s: float = 1.0
     engine: dict[str, Any] = field(default_factory=dict)  # extra EngineModel keyword arguments
+    store: StoreSpec | None = None  # a shared Mooncake-style KV store (None: none)
+    store_blocks_per_object: int = 1  # KV blocks per store object (1: vLLM's MooncakeStoreConnector)
+    store_policy: str = "write_through"  # or write_back: blocks go to the store when a device evicts them
 
     def roles(self) -> list[tuple[str, Role]]:
         """(instance id, role), named as the embedded cluster names its engines."""
@@ -84,11 +93,18 @@ class SimCluster:
         profile = load_profile(spec.profile)
         self.instances: dict[str, SimInstance] = {}
         members = []
+        self.store = StoreModel(spec.store) if spec.store is not None else None
+        self.connectors: dict[str, ModelConnector] = {}
         for k, (iid, role) in enumerate(spec.roles()):
+            conn = None
+            if self.store is not None and role is not Role.DECODE:
+                conn = self.connectors[iid] = ModelConnector(
+                    self.store, profile.kv_bytes_per_token * spec.block_size, spec.store_blocks_per_object)
             # a decode-only instance is never a prefill candidate: its KV events could not change a
             # decision (the live gateway indexes them all the same), so it does not produce them
             model = EngineModel(profile, role.value, block_size=spec.block_size, seed=spec.seed + k, noise=spec.noise,
-                                kv_events=role is not Role.DECODE, event_hashes="index", **spec.engine)
+                                kv_events=role is not Role.DECODE, event_hashes="index", store=conn,
+                                store_policy=spec.store_policy, **spec.engine)
             self.instances[iid] = SimInstance(iid, role, model, loop, self._on_step)
             members.append(Instance(iid, role, deployment=profile.deployment.name))
         params = dict(sched.policy_params)
@@ -116,6 +132,8 @@ class SimCluster:
         lc = RequestLifecycle(self.scheduler, rec, self.loop.clock,
                               observers=(self._finished, self.scheduler.predictors.observe))
         facts = RequestFacts(rid, len(tokens), self._hashes(tokens), max_tokens)
+        if self.store is not None:
+            facts.store_blocks = self.store_prefix(facts.block_hashes)
         d = lc.decide(facts)
         if isinstance(d, Rejection):
             return
@@ -131,6 +149,12 @@ class SimCluster:
                 live.prefill.add(SimRequest(rid, tokens, 1, output_len=1, hold_kv=True, block_hashes=live.hashes))
         except ValueError as e:  # the engine refuses it (e.g. longer than its context): a 400
             lc.finish("error", 400, f"engine_refused: {e}")
+
+    def store_prefix(self, hashes: list[int]) -> int:
+        """Leading blocks of a prompt the store holds now (whole objects only)."""
+        assert self.store is not None
+        c = self.spec.store_blocks_per_object
+        return c * self.store.prefix(hashes[c - 1::c], self.loop.now)
 
     def _hashes(self, tokens: list[int]) -> list[int]:
         return block_hashes(tokens, self.spec.block_size)

@@ -1,0 +1,164 @@
+"""Store keys in the engines' own formats, and a memo that makes them cheap per request.
+
+Two recipes (read from the engines' sources; see docs/store.md and docs/protocols.md):
+
+* ``vllm``: vLLM's MooncakeStoreConnector ``PoolKey``, one object per KV block (rank 0, no
+  prefix): ``{model}@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@{block digest hex}``, the digest being
+  vLLM's prefix-caching chain (sha256 over pickle by default);
+* ``sglang``: SGLang HiCache on Mooncake, one object pair per page (MHA, tp rank 0):
+  ``{model with / -> -}_{page hash hex}_0_k`` and ``..._0_v``, the page hash being SGLang's
+  SHA-256 chain over the page's tokens as u32 little-endian.
+
+A router and an engine both need "the keys of this prompt's blocks". Computing a SHA-256 chain per
+request costs microseconds per block; prompts share prefixes, so :class:`KeyBook` remembers each
+block's digest by our own index hash (``scheduler.hashing.block_hashes``, already computed per
+request) and only hashes the blocks it has not seen.
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Container, Sequence
+
+from scheduler.hashing import vllm_block_digests, vllm_none_hash
+
+RECIPES = ("vllm", "sglang")
+
+
+def sglang_page_digests(tokens: Sequence[int], page_size: int, parent: bytes | None = None) -> list[bytes]:
+    """SGLang's page-hash chain: sha256(previous digest || page tokens as u32 LE); no prior at the root."""
+    out = []
+    prev = parent
+    for i in range(len(tokens) // page_size):
+        h = hashlib.sha256()
+        if prev is not None:
+            h.update(prev)
+        h.update(array("I", tokens[i * page_size:(i + 1) * page_size]).tobytes())
+        prev = h.digest()
+        out.append(prev)
+    return out
+
+
+class KeyRecipe:
+    """One engine's store-key recipe: digests per block, and the object keys of a block."""
+
+    def __init__(self, recipe: str, model: str, block_size: int, seed_text: str | None = None,
+                 algo: str = "sha256"):
+        """``seed_text``: vLLM's PYTHONHASHSEED, which seeds its chain (default: this process's);
+        ``algo``: vLLM's ``--prefix-caching-hash-algo``."""
+        self.algo = algo
+        if recipe not in RECIPES:
+            raise ValueError(f"unknown store key recipe {recipe!r}; expected one of {', '.join(RECIPES)}")
+        self.recipe, self.model, self.block_size = recipe, model, block_size
+        if recipe == "vllm":
+            self._prefix = f"{model.rstrip('/').rsplit('/', 1)[-1]}@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@"
+            self.root: bytes | None = vllm_none_hash(seed_text, algo)
+        else:
+            self._prefix = f"{model.replace('/', '-')}_"
+            self.root = None
+
+    def digests(self, tokens: Sequence[int], parent: bytes | None) -> list[bytes]:
+        if self.recipe == "vllm":
+            return vllm_block_digests(tokens, self.block_size, parent=parent if parent is not None else self.root,
+                                      algo=self.algo)
+        return sglang_page_digests(tokens, self.block_size, parent)
+
+    def key(self, digest: bytes) -> str:
+        """The object key a prefix check asks about (SGLang: the page's K object)."""
+        if self.recipe == "vllm":
+            return self._prefix + digest.hex()
+        return f"{self._prefix}{digest.hex()}_0_k"
+
+    def object_keys(self, digest: bytes) -> list[str]:
+        """Every object one block is written as."""
+        if self.recipe == "vllm":
+            return [self._prefix + digest.hex()]
+        base = f"{self._prefix}{digest.hex()}_0"
+        return [base + "_k", base + "_v"]
+
+    def digest_of(self, key: str) -> bytes | None:
+        """The block digest a key names (None for a key of another recipe or model)."""
+        if not key.startswith(self._prefix):
+            return None
+        rest = key[len(self._prefix):]
+        if self.recipe == "sglang":
+            if not rest.endswith(("_0_k", "_0_v")):
+                return None
+            rest = rest[:-4]
+        try:
+            d = bytes.fromhex(rest)
+        except ValueError:
+            return None
+        return d if len(d) in (16, 32) else None  # sha256 recipes, or vLLM's xxhash (XXH3-128) ones
+
+
+class KeyBook:
+    """Engine store keys of a prompt's blocks, memoised by our index hash (bounded LRU)."""
+
+    def __init__(self, recipe: KeyRecipe, max_entries: int = 1 << 20):
+        self.recipe = recipe
+        self.max_entries = max_entries
+        self._memo: OrderedDict[int, bytes] = OrderedDict()  # index hash -> engine block digest
+        self.hashed = 0  # blocks hashed (memo misses)
+
+    def digests(self, tokens: Sequence[int], index_hashes: Sequence[int], limit: int | None = None) -> list[bytes]:
+        """Engine digests of the first ``limit`` blocks (default all ``index_hashes``)."""
+        n = len(index_hashes) if limit is None else min(limit, len(index_hashes))
+        memo = self._memo
+        out: list[bytes] = []
+        for h in index_hashes[:n]:  # the longest remembered prefix
+            d = memo.get(h)
+            if d is None:
+                break
+            out.append(d)
+        if len(out) < n:
+            bs = self.recipe.block_size
+            start = len(out)
+            fresh = self.recipe.digests(tokens[start * bs:n * bs], out[-1] if out else None)
+            self.hashed += len(fresh)
+            for h, d in zip(index_hashes[start:n], fresh, strict=True):
+                memo[h] = d
+            out += fresh
+            while len(memo) > self.max_entries:
+                memo.popitem(last=False)
+        return out
+
+    def held_prefix(self, tokens: Sequence[int], index_hashes: Sequence[int], n: int, held: Container[bytes],
+                    start: int = 0) -> int:
+        """Leading blocks (of the first ``n``) whose digest is in ``held``, hashing lazily: a block
+        not yet remembered is hashed only if every block before it is held, so a miss costs at
+        most one SHA-256 (call :meth:`digests` later, off the hot path, to remember the rest).
+        ``start``: blocks already known to be held (the walk begins there)."""
+        memo = self._memo
+        n = min(n, len(index_hashes))
+        k, step = start, 16
+        mget, contains = memo.get, held.__contains__
+        while k < n:  # remembered and held, chunk by growing chunk at C speed (a None is never held)
+            chunk = list(map(mget, index_hashes[k:min(n, k + step)]))
+            flags = list(map(contains, chunk))
+            if not all(flags):
+                j = flags.index(False)
+                if chunk[j] is not None:
+                    return k + j  # remembered and not held: the prefix ends here
+                k += j
+                break
+            k += len(chunk)
+            step *= 2
+        parent = memo.get(index_hashes[k - 1]) if k else None
+        bs = self.recipe.block_size
+        while k < n:
+            d = self.recipe.digests(tokens[k * bs:(k + 1) * bs], parent)[0]
+            self.hashed += 1
+            memo[index_hashes[k]] = d
+            if d not in held:
+                break
+            parent, k = d, k + 1
+        if len(memo) > self.max_entries:
+            while len(memo) > self.max_entries:
+                memo.popitem(last=False)
+        return k
+
+    def keys(self, tokens: Sequence[int], index_hashes: Sequence[int], limit: int | None = None) -> list[str]:
+        key = self.recipe.key
+        return [key(d) for d in self.digests(tokens, index_hashes, limit)]

@@ -1,0 +1,162 @@
+"""The gateway's store tier: follows store puts and evictions (events and query modes), drops to
+stale when the store goes and resyncs when it is back; the embedded cluster loads a prefix from
+the store on another prefill instance and says so in /admin/decisions."""
+from __future__ import annotations
+
+import asyncio
+import random
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+
+from engines_adapters.net import free_port
+from engines_adapters.store.keys import KeyRecipe
+from gateway.config import StoreConfig
+from gateway.store_tier import StoreTier
+from scheduler.hashing import block_hashes, vllm_block_digests
+from tests.servers import ROOT, conductor, gateway, stop, wait_until
+
+MODEL = "meta-llama/Meta-Llama-3-8B-Instruct"
+BS = 16
+
+
+def start_store(port: int, events: int | None = None, *extra: str) -> subprocess.Popen:
+    args = ["sim-store", "--port", str(port), *extra]
+    if events:
+        args += ["--kv-events", f"tcp://127.0.0.1:{events}"]
+    p = conductor(*args)
+    wait_until(f"http://127.0.0.1:{port}/health", p)
+    return p
+
+
+def prompt_keys(n_blocks: int, seed: int = 1):
+    rng = random.Random(seed)
+    tokens = [rng.randrange(1000, 30000) for _ in range(n_blocks * BS + 1)]
+    recipe = KeyRecipe("vllm", MODEL, BS, seed_text="0")
+    keys = [recipe.key(d) for d in vllm_block_digests(tokens, BS, seed_text="0")]
+    return tokens, block_hashes(tokens, BS), keys
+
+
+async def _wait(cond, timeout=10.0):
+    for _ in range(int(timeout / 0.02)):
+        if await cond():
+            return True
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not reached")
+
+
+@pytest.mark.parametrize("mode", ["events", "query"])
+def test_the_tier_follows_puts_and_removals_and_survives_an_outage(mode):
+    port, events = free_port(), free_port()
+    proc = start_store(port, events if mode == "events" else None)
+    url = f"http://127.0.0.1:{port}"
+
+    async def run():
+        nonlocal proc
+        cfg = StoreConfig(url=url, kv_events=f"tcp://127.0.0.1:{events}" if mode == "events" else None,
+                          model=MODEL, cache_ttl_s=0.0)
+        tier = StoreTier(cfg, BS, MODEL)
+        assert await tier.start() and not tier.stale and tier.mode == mode
+        tokens, hashes, keys = prompt_keys(20)
+        assert await tier.lookup(tokens, hashes, 20) == 0
+        await asyncio.sleep(0.2)  # events: the subscription settles (a PUB drops what comes before)
+        await tier.client.put(keys[:12], [1000] * 12)
+
+        async def holds(n):
+            return await tier.lookup(tokens, hashes, 20) == n
+        await _wait(lambda: holds(12))
+        assert await tier.lookup(tokens, hashes, 5) == 5  # never beyond the usable blocks
+        r = requests.post(url + "/api/v1/remove_all", timeout=5).json()
+        assert r["removed_count"] == 12
+        await _wait(lambda: holds(0))
+        # the store goes away: the tier is dropped and stale, lookups answer None
+        stop(proc)
+        assert not await tier.check() and tier.stale
+        assert await tier.lookup(tokens, hashes, 20) is None
+        # it comes back (a fresh store) with blocks put meanwhile: resync
+        proc = start_store(port, events if mode == "events" else None)
+        await tier.client.put(keys[:7], [1000] * 7)
+        await _wait(tier.check)
+        assert not tier.stale and tier.resyncs >= 2
+        await _wait(lambda: holds(7))
+        await tier.stop()
+
+    try:
+        asyncio.run(run())
+    finally:
+        stop(proc)
+
+
+def test_unreachable_explicit_store_at_serve_exits_2_naming_the_url(tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[store]\nurl = "{url}"\n')
+    p = subprocess.run([sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg), "--port", str(free_port())],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert p.returncode == 2 and url in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_embedded_store_lets_a_second_prefill_instance_load_the_prefix():
+    cfg = "policy = \"round_robin\"\n[embedded]\nprefill = 2\ndecode = 1\ntime_scale = 0.2\n"
+    with gateway(cfg) as g:
+        store = requests.get(g["url"] + "/admin/store").json()
+        assert store["mode"] == "events" and store["stale"] is False
+        model = requests.get(g["url"] + "/v1/models").json()["data"][0]["id"]
+        text = "a long shared system prompt about KV stores " * 120
+        body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 2}
+        r1 = requests.post(g["url"] + "/v1/chat/completions", json=body, timeout=60)
+        assert r1.status_code == 200
+        first = r1.headers["x-conductor-prefill"] if "x-conductor-prefill" in r1.headers else None
+
+        def stored():
+            return requests.get(g["url"] + "/admin/store").json()["resident_blocks"] > 50
+        for _ in range(200):
+            if stored():
+                break
+            time.sleep(0.05)
+        assert stored()
+        r2 = requests.post(g["url"] + "/v1/chat/completions", json=body, timeout=60)
+        assert r2.status_code == 200
+        decisions = requests.get(g["url"] + "/admin/decisions?limit=2").json()["decisions"]
+        d1, d2 = decisions
+        assert d1["chosen"]["prefill"] != d2["chosen"]["prefill"]  # round robin: the other instance
+        assert first is None or first == d1["chosen"]["prefill"]
+        assert d2["store_hit_tokens"] > 1000 and d2["terms"]["transfer_from"] == "store"
+        assert d2["store_load"]["tokens"] > 1000 and "from the store in" in d2["store_load"]["note"]
+        # the indexer API answers from the same index: both prefill instances and the store hold the prefix
+        engine = requests.get(g["url"] + "/admin/cluster").json()["instances"][0]["url"]
+        tokens = requests.post(engine + "/tokenize", json={"messages": body["messages"]}).json()["tokens"]
+        q = requests.post(g["url"] + "/query", json={"model": model, "token_ids": tokens, "block_size": 16}).json()
+        hits = q["default"]
+        assert hits[d1["chosen"]["prefill"]]["GPU"] >= d2["store_hit_tokens"]
+        assert hits["store"]["CPU"] == d2["store_hit_tokens"]
+
+
+@pytest.mark.parametrize("section, needle", [
+    ('url = "127.0.0.1:9003"', "store: url must be http"),
+    ('url = "http://127.0.0.1:9003"\nkey_recipe = "lmcache"', "key_recipe"),
+    ('url = "http://127.0.0.1:9003"\nkv_events = "ipc:///x"', "kv_events"),
+    ('url = "http://127.0.0.1:9003"\nbogus = 1', "unknown key(s) bogus"),
+    ('url = "http://127.0.0.1:9003"\ncache_ttl_s = -1', "cache_ttl_s"),
+])
+def test_bad_store_sections_are_named(section, needle):
+    import tomllib
+
+    from gateway.config import ConfigError, parse_config
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        parse_config(tomllib.loads("[store]\n" + section + "\n"))
+
+
+def test_a_store_with_configured_engines_needs_the_model_name():
+    import tomllib
+
+    from gateway.config import ConfigError, parse_config
+    eng = '[[engines]]\nid = "p"\nrole = "both"\nurl = "http://127.0.0.1:1"\n'
+    with pytest.raises(ConfigError, match="store: model is required"):
+        parse_config(tomllib.loads('[store]\nurl = "http://127.0.0.1:9003"\n' + eng))
+    cfg = parse_config(tomllib.loads('[store]\nurl = "http://127.0.0.1:9003"\nmodel = "m"\n' + eng))
+    assert cfg.store is not None and cfg.store.model == "m" and cfg.store.kv_events is None
