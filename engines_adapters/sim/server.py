@@ -43,9 +43,9 @@ from .mooncake_api import MooncakeApi
 from .pd import KVPuller, parse_peer
 from .profiles import load_profile, profile_names
 from .publisher import KVEventPublisher, check_endpoint, loopback_bind_address
-from .store_link import StoreLink
 from .sglang_api import SGLangApi
 from .sglang_metrics import SGLangMetrics
+from .store_link import StoreLink
 
 FLAVORS = ("vllm", "sglang")
 DISAGGREGATION_MODES = {"null": "both", "prefill": "prefill", "decode": "decode"}
