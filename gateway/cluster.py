@@ -39,7 +39,7 @@ def build_scheduler(cfg: GatewayConfig, engines: list[EngineConfig]) -> Schedule
     return Scheduler(instances, policy=cfg.policy, slo=cfg.slo, block_size=cfg.block_size, clock=time.monotonic,
                      predictors=_predictors(cfg), early_rejection=cfg.early_rejection,
                      admission=cfg.admission,
-                     keep_decisions=cfg.keep_decisions, **params)
+                     keep_decisions=cfg.keep_decisions, priority_headroom=cfg.priority_headroom, **params)
 
 
 def _predictors(cfg: GatewayConfig) -> Predictors:
@@ -60,6 +60,7 @@ class Cluster:
         self.failures: dict[str, int] = {e.id: 0 for e in engines}
         self.models: list[str] = []
         self.adapters: set[str] = set()  # LoRA adapters the engines list (a /v1/models entry with a parent)
+        self.cards: dict[str, dict] = {}  # each model's card as an engine listed it (/v1/models)
         self._zmq = zmq.asyncio.Context()
         self._tasks: list[asyncio.Task] = []
         self._sub_tasks: dict[str, asyncio.Task] = {}
@@ -230,14 +231,29 @@ class Cluster:
             await self.store_tier.check()
 
     def _learn_models(self, answers: dict[str, list[dict] | None]) -> None:
-        """The served models and LoRA adapters: the union of each engine's last /v1/models list."""
-        fresh = {eid: cards for eid, cards in answers.items() if cards}
+        """The served models and LoRA adapters: the union of each engine's last /v1/models list
+        (what the gateway routes to it: ``_routed_cards``)."""
+        fresh = {eid: self._routed_cards(eid, cards) for eid, cards in answers.items() if cards}
         if not fresh:
             return
         self._served.update(fresh)
         cards = [m for ms in self._served.values() for m in ms]
-        self.models = sorted({m["id"] for m in cards})
-        self.adapters = {m["id"] for m in cards if m.get("parent") and m.get("parent") != m["id"]}
+        if cards:
+            self.models = sorted({m["id"] for m in cards})
+            self.adapters = {m["id"] for m in cards if m.get("parent") and m.get("parent") != m["id"]}
+
+    def _routed_cards(self, eid: str, cards: list[dict]) -> list[dict]:
+        """The engine's model cards the gateway routes to it (all, or those its config names);
+        the scheduler learns them: a request goes only where its model or adapter is served."""
+        if not cards:  # an engine that did not answer keeps what it served
+            return cards
+        allowed = self.engines[eid].models
+        if allowed is not None:  # an engine listing none of its configured names serves nothing
+            cards = [m for m in cards if m["id"] in allowed]
+        for m in cards:
+            self.cards.setdefault(m["id"], m)
+        self.scheduler.set_models(eid, [m["id"] for m in cards])
+        return cards
 
     async def _poll(self, eid: str) -> list[dict] | None:
         """One probe of ``eid``; returns its /v1/models entries when they were asked for and given."""

@@ -8,10 +8,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.auth import AuthConfig, AuthConfigError, parse_auth
+from gateway.tenants import DEFAULT_PRIORITY_HEADROOM
 from predictors.analytic import Prior
 from predictors.facts import load_deployment
 from predictors.telemetry import SLO
 from predictors.types import ROLES
+from scheduler.admission import check_headroom
 
 KINDS = ("vllm", "sglang", "sim")
 #: The PD protocol (engine flavour, ``engines_adapters.drivers.FLAVORS``) an engine speaks unless
@@ -39,6 +41,8 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model card's
     profile: str | None = None  # deprecated alias of deployment
     api_key: str | None = field(default=None, repr=False)  # sent as a Bearer token (vLLM --api-key)
+    # model names (base models, LoRA adapters) routed to this engine; None: all its /v1/models lists
+    models: list[str] | None = None
     protocol: str | None = None  # PD protocol / engine flavour; None: the kind's (KIND_PROTOCOLS)
     bootstrap_port: int | None = None  # SGLang prefill: its bootstrap server's port (None: 8998)
 
@@ -132,6 +136,9 @@ class GatewayConfig:
     # token is refused before tokenizing; default: 1 for the built-in byte tokenizer (exact: a
     # character is at least one byte-token), 8 for the others (natural text averages about 4)
     prompt_chars_per_token: float | None = None
+    # priority class -> fraction of the SLO admission admits its requests up to (keys name their
+    # class: [auth.api_keys.NAME] priority = "..."); the given classes replace the defaults'
+    priority_headroom: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_PRIORITY_HEADROOM))
 
 
 def _take(section: dict[str, Any], cls, where: str):
@@ -221,6 +228,9 @@ def validate(cfg: GatewayConfig) -> None:
             load_deployment(e.deployment)
         except KeyError as err:
             raise ConfigError(f"engine {e.id}: {err.args[0]}") from None
+        if e.models is not None and (not isinstance(e.models, list) or not e.models
+                                     or not all(isinstance(m, str) and m for m in e.models)):
+            raise ConfigError(f"engine {e.id}: models must be a non-empty list of model names")
         from engines_adapters.drivers import FLAVORS
 
         if e.protocol is not None and e.protocol not in FLAVORS:
@@ -278,6 +288,17 @@ def validate(cfg: GatewayConfig) -> None:
     _check_network(cfg)
     if cfg.otel_exporter not in ("none", "console", "otlp"):
         raise ConfigError(f"otel_exporter must be none, console or otlp, got {cfg.otel_exporter!r}")
+    if not isinstance(cfg.priority_headroom, dict):
+        raise ConfigError("priority_headroom: expected a table of class = fraction of the SLO")
+    headroom = {**DEFAULT_PRIORITY_HEADROOM, **cfg.priority_headroom}
+    try:
+        cfg.priority_headroom = check_headroom(headroom)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    for k in cfg.auth.api_keys.values():
+        if k.tenant.priority not in cfg.priority_headroom:
+            raise ConfigError(f"auth.api_keys.{k.name}.priority: unknown class {k.tenant.priority!r}; "
+                              f"known: {', '.join(cfg.priority_headroom)} (add it to priority_headroom)")
     cpt = cfg.prompt_chars_per_token
     if cpt is not None and (isinstance(cpt, bool) or not isinstance(cpt, (int, float)) or not cpt >= 1):
         raise ConfigError(f"prompt_chars_per_token must be a number >= 1, got {cpt!r}")

@@ -66,6 +66,11 @@ class RequestFacts:
     block_hashes: list[int]  # scheduler.hashing.block_hashes(prompt_token_ids, block_size)
     max_tokens: int  # expected output tokens
     slo: SLO | None = None  # per-request override; a None field means "use the configured one"
+    # who asked and for what (recorded in the explanation; a priority class tightens admission)
+    tenant: str | None = None
+    model: str | None = None
+    adapter: str | None = None
+    priority: str | None = None  # a class of the scheduler's ``priority_headroom``; None: full SLO
     # leading prompt blocks the shared store holds, as the gateway's store tier learned it (from the
     # store's KV events or its /batch_query_keys); None: only what the prefix index knows
     store_blocks: int | None = None

@@ -77,7 +77,11 @@ def build_parser() -> Parser:
     p.add_argument("--kv-transfer-timeout", type=positive_float, default=60.0,
                    help="--kv-connector mooncake decode: wall seconds to wait for a transfer id's KV")
     p.add_argument("--profile", default="llama3-8b-h200", help=f"timing profile: {', '.join(profile_names())}")
-    p.add_argument("--served-model-name", help="model name to answer to (default: the profile's short name)")
+    p.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                   help="model names to answer to, the first in responses (default: the profile's short name)")
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters served, as vLLM's: each a model name of its own with its own prefix-cache "
+                        "namespace (the simulated adapter costs nothing extra)")
     p.add_argument("--time-scale", type=positive_float, default=1.0,
                    help="real seconds per modelled second (0.01 = 100x faster)")
     p.add_argument("--seed", type=int, default=0, help="seed for noise, output text and lengths")
@@ -147,6 +151,13 @@ def _check(args: argparse.Namespace) -> None:
             args.kv_peers = frozenset(parse_peer(x) for x in args.kv_peers.split(",") if x.strip())
         except ValueError as e:
             raise CLIError(f"--kv-peers: {e}") from None
+    loras = {}
+    for spec in args.lora_modules:
+        lname, eq, path = spec.partition("=")
+        if not eq or not lname or not path:
+            raise CLIError(f"--lora-modules: expected NAME=PATH, got {spec!r}")
+        loras[lname] = path
+    args.lora_modules = loras
     if args.max_num_batched_tokens < args.max_num_seqs:
         raise CLIError("--max-num-batched-tokens must be >= --max-num-seqs")
 
@@ -201,7 +212,8 @@ def _engine(args: argparse.Namespace) -> EngineModel:
 
 async def _serve(args: argparse.Namespace, engine: EngineModel, publisher: KVEventPublisher | None) -> int:
     loop = asyncio.get_running_loop()
-    name = args.served_model_name or engine.profile.served_name
+    names = args.served_model_name or [engine.profile.served_name]
+    name = names[0]
     store = None
     if args.kv_store:
         store = StoreLink(args.kv_store, engine, engine.profile.model["name"], args.kv_store_recipe)
@@ -212,7 +224,8 @@ async def _serve(args: argparse.Namespace, engine: EngineModel, publisher: KVEve
             log.warning("the KV store at %s does not answer; starting without it for now", args.kv_store)
     info = ServerInfo(host=args.host, port=args.port, role=args.role, served_name=name,
                       hf_name=engine.profile.model["name"], max_model_len=engine.max_model_len,
-                      engine_id=f"sim-{uuid.uuid4().hex[:12]}")
+                      engine_id=f"sim-{uuid.uuid4().hex[:12]}", aliases=tuple(names[1:]),
+                      lora_modules=args.lora_modules)
     runners: list[web.AppRunner] = []
     extra = ""
     if args.flavor == "sglang":
