@@ -45,11 +45,14 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
                 log.info("starting embedded cluster: %d prefill + %d decode + %d both (profile %s, time scale %g)",
                          em.prefill, em.decode, em.both, em.profile, em.time_scale)
                 embedded = EmbeddedCluster(em)
-                engines += embedded.start()
+                engines += embedded.plan()
+            cluster = Cluster(cfg, engines)
+            cluster.open_kv_events()  # bound before any engine starts: the embedded ones get the real ports
+            if embedded is not None:
+                embedded.launch()
                 await embedded.wait_ready()
                 if embedded.store is not None and cfg.store is None:  # the embedded store unless one is named
                     cfg.store = embedded.store
-            cluster = Cluster(cfg, engines)
             await cluster.start()
             tracer = provider.get_tracer("conductor") if provider else trace.NoOpTracer()
             metrics = GatewayMetrics()

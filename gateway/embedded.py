@@ -77,39 +77,46 @@ class EmbeddedCluster:
         """The engines' store keys: SGLang HiCache's for SGLang engines, vLLM's store connector's else."""
         return "sglang" if self.cfg.engine == "sglang" else "vllm"
 
-    def start(self) -> list[EngineConfig]:
-        env = {**os.environ, "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED", "0")}
-        if self.cfg.store:
-            self.store = self._start_store(env)
+    def plan(self) -> list[EngineConfig]:
+        """The engines this cluster will run, not yet started. Each KV-event endpoint has port 0: the
+        gateway binds it (the OS picks the port) before :meth:`launch` hands it to the engine, so no
+        other socket can take a port between choosing and binding it."""
         roles = ["prefill"] * self.cfg.prefill + ["decode"] * self.cfg.decode + ["both"] * self.cfg.both
         counters: dict[str, int] = {}
         # the gateway gets only the public deployment the engines emulate (never their calibration),
         # time-scaled when they run at a time scale so predictions are in wall-clock seconds
         deployment = load_profile(self.cfg.profile).deployment.time_scaled(self.cfg.time_scale).name
-        for i, role in enumerate(roles):
+        for role in roles:
             counters[role] = counters.get(role, 0) + 1
-            eid = f"{role}-{counters[role]}"
-            port, kv, replay = free_port(), free_port(), free_port()
-            protocol, bootstrap = self.cfg.engine, None
-            extra = sim_flavor_args(protocol)
-            if protocol == "sglang" and role == "prefill":  # it picks a free port; /server_info names it
-                extra += [BOOTSTRAP_FLAGS[protocol], "0"]
-            elif protocol != "vllm" and role == "prefill":  # each prefill's bootstrap server on its own port
-                bootstrap = free_port()
-                extra += [BOOTSTRAP_FLAGS[protocol], str(bootstrap)]
-            args = [sys.executable, "-m", "gateway.cli", "sim-engine", "--role", role, "--port", str(port), *extra,
-                    "--kv-events", f"tcp://127.0.0.1:{kv}", "--kv-events-replay", f"tcp://127.0.0.1:{replay}",
+            protocol = self.cfg.engine
+            bootstrap = free_port() if protocol not in ("vllm", "sglang") and role == "prefill" else None
+            self.engines.append(EngineConfig(id=f"{role}-{counters[role]}", role=role,
+                                             url=f"http://127.0.0.1:{free_port()}", kind="sim",
+                                             kv_events="tcp://127.0.0.1:0",
+                                             kv_events_replay=f"tcp://127.0.0.1:{free_port()}",
+                                             deployment=deployment, protocol=protocol, bootstrap_port=bootstrap))
+        return self.engines
+
+    def launch(self) -> None:
+        """Start the store (if any) and the planned engines, with the KV-event endpoints as bound."""
+        env = {**os.environ, "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED", "0")}
+        if self.cfg.store:
+            self.store = self._start_store(env)
+        for i, e in enumerate(self.engines):
+            extra = sim_flavor_args(e.protocol)
+            if e.protocol == "sglang" and e.role == "prefill":  # it picks a free port; /server_info names it
+                extra += [BOOTSTRAP_FLAGS[e.protocol], "0"]
+            elif e.bootstrap_port is not None:  # each prefill's bootstrap server on its own port
+                extra += [BOOTSTRAP_FLAGS[e.protocol], str(e.bootstrap_port)]
+            args = [sys.executable, "-m", "gateway.cli", "sim-engine", "--role", e.role,
+                    "--port", e.url.rsplit(":", 1)[1], *extra,
+                    "--kv-events", str(e.kv_events), "--kv-events-replay", str(e.kv_events_replay),
                     "--profile", self.cfg.profile, "--time-scale", str(self.cfg.time_scale),
                     "--seed", str(self.cfg.seed + i), *self.cfg.extra_args]
-            if self.store is not None and role != "decode":  # optional: the engine starts before the store answers
+            if self.store is not None and e.role != "decode":  # optional: the engine starts before the store answers
                 args += ["--kv-store", self.store.url, "--kv-store-optional", "--kv-store-recipe", self._store_recipe()]
             self.procs.append(subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent))
             _LIVE.add(self.procs[-1])
-            self.engines.append(EngineConfig(id=eid, role=role, url=f"http://127.0.0.1:{port}", kind="sim",
-                                             kv_events=f"tcp://127.0.0.1:{kv}",
-                                             kv_events_replay=f"tcp://127.0.0.1:{replay}",
-                                             deployment=deployment, protocol=protocol, bootstrap_port=bootstrap))
-        return self.engines
 
     async def wait_ready(self, timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s
