@@ -1,11 +1,16 @@
 """Gateway overhead: streaming through `conductor serve` vs straight to the same sim engines.
 
-Starts two `both` sim engines and a gateway in front of them (all on loopback), then runs rounds
-that alternate direct and gateway traffic at the same concurrency, so machine noise hits both.
-Prints one JSON line: added TTFT p50/p99 at low load (one stream at a time) and the ratio of
-streamed tokens per second at high load (default 32 concurrent 64-token streams).
+Starts two `both` sim engines (``--topology pd``: two prefill/decode pairs) and a gateway in front
+of them (all on loopback), then runs rounds that alternate direct and gateway traffic at the same
+concurrency, so machine noise hits both. "Direct" to a PD pair is the bare protocol run from this
+process with the project's own driver (vLLM's two-step, SGLang's dual dispatch with a bootstrap
+room, or vLLM's MooncakeConnector with a transfer id): what any router must do, without the
+gateway's hop, tokenizing and scheduling.
+Prints one JSON line per engine family: added TTFT p50/p99 at low load (one stream at a time)
+and the ratio of streamed tokens per second at high load (default 32 concurrent 64-token streams).
 
-    .venv/bin/python bench/gateway_overhead.py [--concurrency 32] [--tokens 64] [--rounds 3]
+    .venv/bin/python bench/gateway_overhead.py [--topology both|pd] [--flavor vllm|sglang|vllm-mooncake|all]
+        [--concurrency 32] [--tokens 64] [--rounds 3]
 """
 from __future__ import annotations
 
@@ -22,7 +27,17 @@ import time
 import aiohttp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from engines_adapters.drivers import Pair, PairRequest, driver_for  # noqa: E402
+from engines_adapters.engine_client import EngineClient  # noqa: E402
 from engines_adapters.net import free_port  # noqa: E402
+
+
+class _NoHooks:
+    """The direct path reports to nobody."""
+
+    def prefill_started(self) -> None: ...
+    def prefill_finished(self, cached_tokens: int | None = None) -> None: ...
+    def handed_over(self) -> None: ...
 
 
 def start(args: list[str]) -> subprocess.Popen:
@@ -44,22 +59,33 @@ async def wait_http(url: str, timeout_s: float = 60) -> None:
     raise RuntimeError(f"{url} not ready")
 
 
-async def one_stream(s: aiohttp.ClientSession, base: str, model: str, i: int, tokens: int) -> tuple[float, int, float]:
+async def one_stream(s: aiohttp.ClientSession, base: str | tuple, model: str, i: int,
+                     tokens: int) -> tuple[float, int, float]:
+    """One stream to a URL, or (``base`` = (flavor, prefill URL, decode URL, bootstrap port)) to a
+    PD pair driven directly with that family's protocol."""
     body = {"model": model, "messages": [{"role": "user", "content": f"request {i} " + "x" * 200}],
             "max_tokens": tokens, "ignore_eos": True, "stream": True}
     t0 = time.perf_counter()
     first, n = None, 0
-    async with s.post(base + "/v1/chat/completions", json=body) as r:
-        assert r.status == 200, await r.text()
+    if isinstance(base, tuple):
+        flavor, purl, durl, boot = base
+        pair = Pair(EngineClient(s, "p", purl, flavor=flavor, bootstrap_port=boot), EngineClient(s, "d", durl))
+        r = await driver_for(flavor).open(pair, PairRequest(f"direct-{i}", "/v1/chat/completions", body), _NoHooks())
+    else:
+        r = await s.post(base + "/v1/chat/completions", json=body)
+    try:
+        assert r.status == 200, await r.read()
         async for line in r.content:
             if line.startswith(b"data: {") and b'"content":"' in line and b'"content":""' not in line:
                 n += 1
                 if first is None:
                     first = time.perf_counter() - t0
+    finally:
+        r.close()
     return first or 0.0, n, time.perf_counter() - t0
 
 
-async def run(base: str, model: str, concurrency: int, tokens: int, salt: int) -> tuple[list[float], float]:
+async def run(base: str | tuple, model: str, concurrency: int, tokens: int, salt: int) -> tuple[list[float], float]:
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         t0 = time.perf_counter()
         res = await asyncio.gather(*(one_stream(s, base, model, salt * 1000 + i, tokens) for i in range(concurrency)))
@@ -72,18 +98,43 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-async def main_async(a) -> dict:
-    ports = [free_port() for _ in range(2)]
+def engines(a, flavor: str) -> tuple[list[list[str]], list[str], list]:
+    """(sim-engine argument lists, gateway config [[engines]] blocks, direct targets)."""
+    from gateway.embedded import BOOTSTRAP_FLAGS, sim_flavor_args
+
+    common = ["--time-scale", str(a.time_scale), *sim_flavor_args(flavor)]
+    args, entries, direct = [], [], []
+    for i in range(2):
+        if a.topology == "both":
+            p = free_port()
+            args.append(["sim-engine", "--role", "both", "--port", str(p), *common])
+            entries.append(f'[[engines]]\nid = "e{i}"\nrole = "both"\nkind = "sim"\nprotocol = "{flavor}"\n'
+                           f'url = "http://127.0.0.1:{p}"\n')
+            direct.append(f"http://127.0.0.1:{p}")
+            continue
+        pp, dp, boot = free_port(), free_port(), free_port()
+        args.append(["sim-engine", "--role", "prefill", "--port", str(pp), *common])
+        if flavor != "vllm":
+            args[-1] += [BOOTSTRAP_FLAGS[flavor], str(boot)]
+        args.append(["sim-engine", "--role", "decode", "--port", str(dp), *common])
+        entries.append(f'[[engines]]\nid = "p{i}"\nrole = "prefill"\nkind = "sim"\nprotocol = "{flavor}"\n'
+                       f'bootstrap_port = {boot}\nurl = "http://127.0.0.1:{pp}"\n')
+        entries.append(f'[[engines]]\nid = "d{i}"\nrole = "decode"\nkind = "sim"\nprotocol = "{flavor}"\n'
+                       f'url = "http://127.0.0.1:{dp}"\n')
+        direct.append((flavor, f"http://127.0.0.1:{pp}", f"http://127.0.0.1:{dp}", boot))
+    return args, entries, direct
+
+
+async def main_async(a, flavor: str) -> dict:
     gw_port = free_port()
-    procs = [start(["sim-engine", "--role", "both", "--port", str(p), "--time-scale", str(a.time_scale)])
-             for p in ports]
+    argv, entries, direct = engines(a, flavor)
+    procs = [start(x) for x in argv]
     try:
-        for p in ports:
-            await wait_http(f"http://127.0.0.1:{p}/health")
+        for x in argv:
+            await wait_http(f"http://127.0.0.1:{x[x.index('--port') + 1]}/health")
         cfg = tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False)
         cfg.write("policy = \"round_robin\"\n[slo]\nttft_ms = 600000\ntbt_ms = 600000\n")
-        for i, p in enumerate(ports):
-            cfg.write(f"[[engines]]\nid = \"e{i}\"\nrole = \"both\"\nkind = \"sim\"\nurl = \"http://127.0.0.1:{p}\"\n")
+        cfg.write("".join(entries))
         cfg.close()
         procs.append(start(["serve", "--config", cfg.name, "--port", str(gw_port), "--log-level", "warning"]))
         gw = f"http://127.0.0.1:{gw_port}"
@@ -91,7 +142,6 @@ async def main_async(a) -> dict:
         async with aiohttp.ClientSession() as s:
             async with s.get(gw + "/v1/models") as r:
                 model = (await r.json())["data"][0]["id"]
-        direct = [f"http://127.0.0.1:{p}" for p in ports]
         ttft_d, ttft_g, tps_d, tps_g = [], [], [], []
         salt = 0
         for _ in range(a.rounds):  # interleaved rounds: noise hits both paths alike
@@ -108,7 +158,8 @@ async def main_async(a) -> dict:
             salt += 1
             tps_g.append((await run(gw, model, a.concurrency, a.tokens, salt))[1])
         added = [g - d for g, d in zip(sorted(ttft_g), sorted(ttft_d), strict=False)]
-        return {"bench": "gateway_overhead", "concurrency": a.concurrency, "tokens": a.tokens, "rounds": a.rounds,
+        return {"bench": "gateway_overhead", "flavor": flavor, "topology": a.topology,
+                "concurrency": a.concurrency, "tokens": a.tokens, "rounds": a.rounds,
                 "direct_ttft_p50_ms": round(pct(ttft_d, 0.5) * 1e3, 3),
                 "gateway_ttft_p50_ms": round(pct(ttft_g, 0.5) * 1e3, 3),
                 "added_ttft_p50_ms": round((pct(ttft_g, 0.5) - pct(ttft_d, 0.5)) * 1e3, 3),
@@ -134,7 +185,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--low-load-requests", type=int, default=30)
     ap.add_argument("--time-scale", type=float, default=1.0)
-    print(json.dumps(asyncio.run(main_async(ap.parse_args()))))
+    ap.add_argument("--topology", choices=["both", "pd"], default="both",
+                    help="two colocated engines, or two prefill/decode pairs")
+    ap.add_argument("--flavor", choices=["vllm", "sglang", "vllm-mooncake", "all"], default="vllm",
+                    help="engine family (all: one line per family, measured one after the other)")
+    a = ap.parse_args()
+    for flavor in (["vllm", "sglang", "vllm-mooncake"] if a.flavor == "all" else [a.flavor]):
+        print(json.dumps(asyncio.run(main_async(a, flavor))), flush=True)
 
 
 if __name__ == "__main__":

@@ -43,12 +43,15 @@ class EngineSession:
 
 class EngineClient:
     """One engine behind its base URL. All calls are bounded by timeouts; none blocks the loop.
-    ``flavor`` names the engine family (``engines_adapters.drivers.FLAVORS``): its metric names."""
+    ``flavor`` names the engine family (``engines_adapters.drivers.FLAVORS``): its metric names.
+    ``bootstrap_port``: where an SGLang prefill instance's bootstrap server listens."""
 
     def __init__(self, session: aiohttp.ClientSession, engine_id: str, url: str, *, flavor: str = "vllm",
-                 connect_timeout_s: float = 5.0, timeout_s: float = 600.0, api_key: str | None = None):
+                 connect_timeout_s: float = 5.0, timeout_s: float = 600.0, api_key: str | None = None,
+                 bootstrap_port: int | None = None):
         self.session: Any = EngineSession(session, api_key)
         self.id, self.url, self.flavor = engine_id, url.rstrip("/"), flavor
+        self.bootstrap_port = bootstrap_port  # an SGLang prefill's bootstrap server (None: SGLang's 8998)
         self.connect_timeout_s, self.timeout_s = connect_timeout_s, timeout_s
 
     def _timeout(self, streaming: bool) -> aiohttp.ClientTimeout:
@@ -88,6 +91,17 @@ class EngineClient:
         except aiohttp.ClientError as e:
             raise UpstreamUnavailable(f"engine {self.id} unreachable: {e}", self.id) from None
         return resp
+
+    async def get_json(self, url: str, timeout_s: float = 5.0) -> Any:
+        """GET a JSON document from an engine-side URL (e.g. a prefill's bootstrap server);
+        UpstreamUnavailable when it cannot be had."""
+        try:
+            async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                if r.status != 200:
+                    raise UpstreamUnavailable(f"engine {self.id}: {url} answered {r.status}", self.id)
+                return await r.json(content_type=None)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+            raise UpstreamUnavailable(f"engine {self.id}: {url} unreachable: {e}", self.id) from None
 
     async def health(self, timeout_s: float = 2.0) -> bool:
         try:

@@ -16,6 +16,8 @@ from starlette.responses import Response
 from gateway.errors import RequestError
 
 DEFAULT_PAGE, MAX_PAGE = 20, 100
+#: record fields a page can be filtered on (``?tenant=NAME&model=M``): exact matches
+FILTERS = ("tenant", "model", "adapter", "priority", "outcome")
 
 
 class NumberedLog(deque):
@@ -58,8 +60,29 @@ def decisions_page(log: NumberedLog, query: Any) -> Response:
     limit = min(_int(query.get("limit"), "limit", DEFAULT_PAGE, 1), MAX_PAGE)
     first = log.appended - len(log)  # number of the oldest record kept
     end = min(_int(query.get("before"), "before", log.appended, 0), log.appended)  # exclusive
+    wanted = {k: query.get(k) for k in FILTERS if query.get(k) is not None}
+    if wanted:
+        return _filtered_page(log, wanted, limit, first, end)
     start = max(first, end - limit)
     page = [{"seq": n, **log[n - first]} for n in range(start, end)] if end > first else []
     body = {"decisions": page, "limit": limit, "total": log.appended,
             "next_before": start if start > first and page else None}
+    return Response(json.dumps(body, separators=(",", ":"), default=str).encode(), media_type="application/json")
+
+
+def _filtered_page(log: NumberedLog, wanted: dict[str, str], limit: int, first: int, end: int) -> Response:
+    """The newest ``limit`` matching records older than ``end``; ``next_before`` continues the
+    scan below the oldest one returned (null when the log holds no older match)."""
+    page: list[dict[str, Any]] = []
+    n = end - 1
+    while n >= first and len(page) < limit:
+        rec = log[n - first]
+        if all(str(rec.get(k)) == v for k, v in wanted.items()):
+            page.append({"seq": n, **rec})
+        n -= 1
+    more = n >= first and any(all(str(log[m - first].get(k)) == v for k, v in wanted.items())
+                              for m in range(first, n + 1))
+    page.reverse()
+    body = {"decisions": page, "limit": limit, "total": log.appended, "filters": wanted,
+            "next_before": page[0]["seq"] if more and page else None}
     return Response(json.dumps(body, separators=(",", ":"), default=str).encode(), media_type="application/json")

@@ -27,6 +27,7 @@ from gateway.proxy import Proxy
 from gateway.tokenizers import BuiltinTokenizer, EngineTokenizer, HFTokenizer
 
 log = logging.getLogger("conductor")
+MODEL_CARD_KEYS = ("created", "root", "parent", "max_model_len")  # what /v1/models passes on from the engines
 
 
 def create_app(cfg: GatewayConfig) -> FastAPI:
@@ -90,7 +91,9 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": m, "object": "model", "owned_by": "conductor"}
+        cards = state["cluster"].cards  # an adapter keeps its parent (and max_model_len) as the engine said
+        return {"object": "list", "data": [{**{k: v for k, v in cards.get(m, {}).items() if k in MODEL_CARD_KEYS},
+                                            "id": m, "object": "model", "owned_by": "conductor"}
                                            for m in state["cluster"].models]}
 
     @app.get("/health")

@@ -15,10 +15,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.errors import error_response
+from gateway.tenants import Tenant, parse_tenant
 
 ENV_API_KEYS = "CONDUCTOR_API_KEYS"  # comma-separated keys, named env-1, env-2, ...
 ENV_ADMIN_TOKEN = "CONDUCTOR_ADMIN_TOKEN"
 ENV_ENGINE_API_KEY = "CONDUCTOR_ENGINE_API_KEY"
+ENV_CACHE_SALT_SECRET = "CONDUCTOR_CACHE_SALT_SECRET"  # isolated keys' salts derive from it (gateway/tenants.py)
 #: the scope key under which a request's :class:`ApiKey` reaches the handler (absent: auth is off)
 SCOPE_KEY = "conductor.api_key"
 OPEN_PATHS = frozenset({"/health", "/ready", "/openapi.json"})  # probes and the API description
@@ -35,6 +37,7 @@ class ApiKey:
     name: str
     key: str = field(repr=False)
     trust_slo_headers: bool = False  # take x-slo-* headers as given, even looser than the configured SLOs
+    tenant: Tenant = field(default_factory=Tenant)  # cache isolation, priority class, quotas
 
 
 @dataclass
@@ -43,6 +46,8 @@ class AuthConfig:
     admin_token: str | None = field(default=None, repr=False)
     allowed_hosts: list[str] = field(default_factory=list)  # empty: any Host
     engine_api_key: str | None = field(default=None, repr=False)  # default for engines without their own
+    # isolated keys' cache salts derive from it; None: a random one per gateway process
+    cache_salt_secret: str | None = field(default=None, repr=False)
 
 
 def _secret(where: str, v: Any) -> str:
@@ -58,7 +63,7 @@ def parse_auth(raw: Any, environ: Mapping[str, str] | None = None) -> AuthConfig
     if raw is not None and not isinstance(raw, dict):
         raise AuthConfigError("auth: expected a table")
     raw = dict(raw or {})
-    known = {"api_keys", "admin_token", "allowed_hosts", "engine_api_key"}
+    known = {"api_keys", "admin_token", "allowed_hosts", "engine_api_key", "cache_salt_secret"}
     if set(raw) - known:
         raise AuthConfigError(f"auth: unknown key(s) {', '.join(sorted(set(raw) - known))}")
     cfg = AuthConfig()
@@ -75,6 +80,12 @@ def parse_auth(raw: Any, environ: Mapping[str, str] | None = None) -> AuthConfig
             if "key" in entry or not isinstance(var, str) or var not in environ:
                 raise AuthConfigError(f"{where}: key_env names an unset variable (or key is also given)")
             entry["key"] = environ[var]
+        try:
+            if "tenant" in entry:
+                raise ValueError(f"{where}: unknown key(s) tenant")
+            entry["tenant"] = parse_tenant(where, entry)
+        except ValueError as e:
+            raise AuthConfigError(str(e)) from None
         unknown = set(entry) - set(ApiKey.__dataclass_fields__) - {"name"}
         if unknown:
             raise AuthConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
@@ -90,7 +101,8 @@ def parse_auth(raw: Any, environ: Mapping[str, str] | None = None) -> AuthConfig
         cfg.api_keys[name] = ApiKey(name, _secret(f"{ENV_API_KEYS} entry {i + 1}", key))
     if len({k.key for k in cfg.api_keys.values()}) != len(cfg.api_keys):
         raise AuthConfigError("auth.api_keys: two names share one key (a key must say who holds it)")
-    for attr, var in (("admin_token", ENV_ADMIN_TOKEN), ("engine_api_key", ENV_ENGINE_API_KEY)):
+    for attr, var in (("admin_token", ENV_ADMIN_TOKEN), ("engine_api_key", ENV_ENGINE_API_KEY),
+                      ("cache_salt_secret", ENV_CACHE_SALT_SECRET)):
         v = environ.get(var) or raw.get(attr)
         setattr(cfg, attr, None if v is None else _secret(f"auth.{attr} ({var})", v))
     if cfg.admin_token is not None and cfg.admin_token in {k.key for k in cfg.api_keys.values()}:

@@ -14,7 +14,7 @@ from predictors.cli_args import CLIError
 # subcommand -> (module, one-line summary)
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("gateway.serve", "serve the OpenAI-compatible gateway (embedded simulated cluster by default)"),
-    "sim-engine": ("engines_adapters.sim.server", "run one simulated vLLM-compatible engine"),
+    "sim-engine": ("engines_adapters.sim.server", "run one simulated vLLM- or SGLang-compatible engine"),
     "sim-store": ("engines_adapters.store.server", "run one modelled Mooncake KV store (master HTTP + data path)"),
     "loadgen": ("loadgen.cli", "replay a trace against an OpenAI-compatible endpoint and draw goodput curves"),
     "simulate": ("loadgen.simulate", "run whole traces through the scheduler in a discrete-event simulation"),

@@ -8,12 +8,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.auth import AuthConfig, AuthConfigError, parse_auth
+from gateway.tenants import DEFAULT_PRIORITY_HEADROOM
 from predictors.analytic import Prior
 from predictors.facts import load_deployment
 from predictors.telemetry import SLO
 from predictors.types import ROLES
+from scheduler.admission import check_headroom
 
-KINDS = ("vllm", "sim")
+KINDS = ("vllm", "sglang", "sim")
+#: The PD protocol (engine flavour, ``engines_adapters.drivers.FLAVORS``) an engine speaks unless
+#: its ``protocol`` says otherwise: the sim engine mirrors vLLM 0.33 by default.
+KIND_PROTOCOLS = {"vllm": "vllm", "sglang": "sglang", "sim": "vllm"}
+EMBEDDED_ENGINES = ("vllm", "sglang", "vllm-mooncake")  # the PD protocol the embedded sim engines speak
 TOKENIZERS = ("builtin", "engine", "hf")
 PREDICTORS = ("analytic", "learned")
 
@@ -35,6 +41,14 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model card's
     profile: str | None = None  # deprecated alias of deployment
     api_key: str | None = field(default=None, repr=False)  # sent as a Bearer token (vLLM --api-key)
+    # model names (base models, LoRA adapters) routed to this engine; None: all its /v1/models lists
+    models: list[str] | None = None
+    protocol: str | None = None  # PD protocol / engine flavour; None: the kind's (KIND_PROTOCOLS)
+    bootstrap_port: int | None = None  # SGLang prefill: its bootstrap server's port (None: 8998)
+
+    @property
+    def flavor(self) -> str:
+        return self.protocol or KIND_PROTOCOLS[self.kind]
 
 
 @dataclass
@@ -61,6 +75,7 @@ class EmbeddedConfig:
     profile: str = "llama3-8b-h200"  # the sim engines' --profile (its public deployment is scheduled on)
     time_scale: float = 1.0
     seed: int = 0
+    engine: str = "vllm"  # the protocol the sim engines speak: vllm, sglang or vllm-mooncake
     extra_args: list[str] = field(default_factory=list)
     # a conductor sim-store beside the engines: prefill engines load from it and write through,
     # and the gateway's store tier reads its KV events
@@ -108,6 +123,9 @@ class GatewayConfig:
     # token is refused before tokenizing; default: 1 for the built-in byte tokenizer (exact: a
     # character is at least one byte-token), 8 for the others (natural text averages about 4)
     prompt_chars_per_token: float | None = None
+    # priority class -> fraction of the SLO admission admits its requests up to (keys name their
+    # class: [auth.api_keys.NAME] priority = "..."); the given classes replace the defaults'
+    priority_headroom: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_PRIORITY_HEADROOM))
 
 
 def _take(section: dict[str, Any], cls, where: str):
@@ -197,12 +215,23 @@ def validate(cfg: GatewayConfig) -> None:
             load_deployment(e.deployment)
         except KeyError as err:
             raise ConfigError(f"engine {e.id}: {err.args[0]}") from None
+        if e.models is not None and (not isinstance(e.models, list) or not e.models
+                                     or not all(isinstance(m, str) and m for m in e.models)):
+            raise ConfigError(f"engine {e.id}: models must be a non-empty list of model names")
+        from engines_adapters.drivers import FLAVORS
+
+        if e.protocol is not None and e.protocol not in FLAVORS:
+            raise ConfigError(f"engine {e.id}: protocol must be one of {tuple(FLAVORS)}, got {e.protocol!r}")
+        bp = e.bootstrap_port
+        if bp is not None and (not isinstance(bp, int) or isinstance(bp, bool) or not 0 < bp < 65536):
+            raise ConfigError(f"engine {e.id}: bootstrap_port must be a TCP port, got {bp!r}")
         if e.api_key is not None and (not isinstance(e.api_key, str) or not e.api_key):
             raise ConfigError(f"engine {e.id}: api_key must be a non-empty string")
         for name in ("kv_capacity_tokens", "max_model_len"):
             v = getattr(e, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
                 raise ConfigError(f"engine {e.id}: {name} must be a positive integer, got {v!r}")
+    check_protocol_pairs(cfg.engines)
     if not cfg.engines and cfg.embedded is None:
         raise ConfigError("no engines configured and the embedded cluster is disabled")
     if cfg.embedded is not None:
@@ -211,6 +240,8 @@ def validate(cfg: GatewayConfig) -> None:
             raise ConfigError("embedded: need at least one engine")
         if (em.prefill == 0) != (em.decode == 0):
             raise ConfigError("embedded: prefill and decode engines come in pairs (or use 'both')")
+        if em.engine not in EMBEDDED_ENGINES:
+            raise ConfigError(f"embedded: engine must be one of {EMBEDDED_ENGINES}, got {em.engine!r}")
         if em.time_scale <= 0:
             raise ConfigError("embedded: time_scale must be > 0")
         from engines_adapters.sim.profiles import profile_names  # the sim engines' own profiles
@@ -243,9 +274,35 @@ def validate(cfg: GatewayConfig) -> None:
         raise ConfigError("block_size, max_body_bytes and default_max_tokens must be positive")
     if cfg.otel_exporter not in ("none", "console", "otlp"):
         raise ConfigError(f"otel_exporter must be none, console or otlp, got {cfg.otel_exporter!r}")
+    if not isinstance(cfg.priority_headroom, dict):
+        raise ConfigError("priority_headroom: expected a table of class = fraction of the SLO")
+    headroom = {**DEFAULT_PRIORITY_HEADROOM, **cfg.priority_headroom}
+    try:
+        cfg.priority_headroom = check_headroom(headroom)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    for k in cfg.auth.api_keys.values():
+        if k.tenant.priority not in cfg.priority_headroom:
+            raise ConfigError(f"auth.api_keys.{k.name}.priority: unknown class {k.tenant.priority!r}; "
+                              f"known: {', '.join(cfg.priority_headroom)} (add it to priority_headroom)")
     cpt = cfg.prompt_chars_per_token
     if cpt is not None and (isinstance(cpt, bool) or not isinstance(cpt, (int, float)) or not cpt >= 1):
         raise ConfigError(f"prompt_chars_per_token must be a number >= 1, got {cpt!r}")
+
+
+def check_protocol_pairs(engines: list[EngineConfig]) -> None:
+    """KV never crosses engine families: every prefill-only instance needs a decode-only one
+    speaking its protocol, and the other way round (a "both" instance serves alone)."""
+    by_role: dict[str, dict[str, list[str]]] = {"prefill": {}, "decode": {}}
+    for e in engines:
+        if e.role in by_role:
+            by_role[e.role].setdefault(e.flavor, []).append(e.id)
+    for role, other in (("prefill", "decode"), ("decode", "prefill")):
+        for proto, ids in by_role[role].items():
+            if proto not in by_role[other] and by_role[other]:
+                peers = ", ".join(f"{i} ({p})" for p, group in by_role[other].items() for i in group)
+                raise ConfigError(f"engine {ids[0]} ({proto} {role}) has no {other} instance speaking {proto}; "
+                                  f"the {other} instances are {peers}: a pair never mixes protocols")
 
 
 def load_config(path: str | None) -> GatewayConfig:

@@ -1,7 +1,8 @@
 """The embedded simulated cluster: `conductor serve` with no configuration starts sim engines
-as child processes on loopback (each with KV events) and routes to them; beside them, unless
-``[embedded] store = false``, one ``conductor sim-store`` that the prefill engines load from and
-write through to, and whose KV events feed the gateway's store tier."""
+as child processes on loopback (each with KV events) and routes to them; ``[embedded] engine =
+"sglang"`` starts them as SGLang engines (``--flavor sglang``) driven with SGLang's PD protocol.
+Beside them, unless ``[embedded] store = false``, one ``conductor sim-store`` that the prefill
+engines load from and write through to, and whose KV events feed the gateway's store tier."""
 from __future__ import annotations
 
 import asyncio
@@ -29,6 +30,15 @@ def _die_with_parent() -> None:
         pass  # not Linux: stop() still ends the engines on a normal shutdown
 
 
+#: How a sim engine is told to speak each protocol, and where its prefill's bootstrap server listens.
+BOOTSTRAP_FLAGS = {"sglang": "--disaggregation-bootstrap-port", "vllm-mooncake": "--mooncake-bootstrap-port"}
+
+
+def sim_flavor_args(protocol: str) -> list[str]:
+    return {"vllm": ["--flavor", "vllm"], "sglang": ["--flavor", "sglang"],
+            "vllm-mooncake": ["--flavor", "vllm", "--kv-connector", "mooncake"]}[protocol]
+
+
 class EmbeddedCluster:
     def __init__(self, cfg: EmbeddedConfig):
         self.cfg = cfg
@@ -45,7 +55,12 @@ class EmbeddedCluster:
         self.procs.append(subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent))
         self._store_proc = self.procs[-1]
         return StoreConfig(url=f"http://127.0.0.1:{port}", kv_events=f"tcp://127.0.0.1:{events}",
-                           model=load_profile(self.cfg.profile).model["name"], hash_seed=env["PYTHONHASHSEED"])
+                           model=load_profile(self.cfg.profile).model["name"], hash_seed=env["PYTHONHASHSEED"],
+                           key_recipe=self._store_recipe())
+
+    def _store_recipe(self) -> str:
+        """The engines' store keys: SGLang HiCache's for SGLang engines, vLLM's store connector's else."""
+        return "sglang" if self.cfg.engine == "sglang" else "vllm"
 
     def start(self) -> list[EngineConfig]:
         env = {**os.environ, "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED", "0")}
@@ -60,38 +75,57 @@ class EmbeddedCluster:
             counters[role] = counters.get(role, 0) + 1
             eid = f"{role}-{counters[role]}"
             port, kv, replay = free_port(), free_port(), free_port()
-            args = [sys.executable, "-m", "gateway.cli", "sim-engine", "--role", role, "--port", str(port),
+            protocol, bootstrap = self.cfg.engine, None
+            extra = sim_flavor_args(protocol)
+            if protocol == "sglang" and role == "prefill":  # it picks a free port; /server_info names it
+                extra += [BOOTSTRAP_FLAGS[protocol], "0"]
+            elif protocol != "vllm" and role == "prefill":  # each prefill's bootstrap server on its own port
+                bootstrap = free_port()
+                extra += [BOOTSTRAP_FLAGS[protocol], str(bootstrap)]
+            args = [sys.executable, "-m", "gateway.cli", "sim-engine", "--role", role, "--port", str(port), *extra,
                     "--kv-events", f"tcp://127.0.0.1:{kv}", "--kv-events-replay", f"tcp://127.0.0.1:{replay}",
                     "--profile", self.cfg.profile, "--time-scale", str(self.cfg.time_scale),
                     "--seed", str(self.cfg.seed + i), *self.cfg.extra_args]
             if self.store is not None and role != "decode":  # optional: the engine starts before the store answers
-                args += ["--kv-store", self.store.url, "--kv-store-optional"]
+                args += ["--kv-store", self.store.url, "--kv-store-optional", "--kv-store-recipe", self._store_recipe()]
             self.procs.append(subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent))
             self.engines.append(EngineConfig(id=eid, role=role, url=f"http://127.0.0.1:{port}", kind="sim",
                                              kv_events=f"tcp://127.0.0.1:{kv}",
                                              kv_events_replay=f"tcp://127.0.0.1:{replay}",
-                                             deployment=deployment))
+                                             deployment=deployment, protocol=protocol, bootstrap_port=bootstrap))
         return self.engines
 
     async def wait_ready(self, timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s
-        waits = [(e.id, e.url, p) for e, p in zip(self.engines, self.procs[-len(self.engines):], strict=True)]
+        waits: list[tuple[str, str, subprocess.Popen, EngineConfig | None]] = [
+            (e.id, e.url, p, e) for e, p in zip(self.engines, self.procs[-len(self.engines):], strict=True)]
         if self.store is not None:
-            waits.insert(0, ("store", self.store.url, self._store_proc))
+            waits.insert(0, ("store", self.store.url, self._store_proc, None))
         async with aiohttp.ClientSession() as s:
-            for eid, url, p in waits:
+            for eid, url, p, e in waits:
                 while True:
                     if p.poll() is not None:
                         raise RuntimeError(f"embedded engine {eid} exited with code {p.returncode}")
                     try:
                         async with s.get(url + "/health", timeout=aiohttp.ClientTimeout(total=1)) as r:
-                            if r.status == 200:
+                            if r.status == 200 and (e is None or await self._learn_bootstrap(s, e)):
                                 break
                     except (aiohttp.ClientError, asyncio.TimeoutError):
                         pass
                     if time.monotonic() > deadline:
                         raise RuntimeError(f"embedded engine {eid} not ready after {timeout_s:.0f} s")
                     await asyncio.sleep(0.05)
+
+    @staticmethod
+    async def _learn_bootstrap(s: aiohttp.ClientSession, e: EngineConfig) -> bool:
+        """An SGLang prefill chose its bootstrap port itself (no race for a free one): read it."""
+        if e.protocol != "sglang" or e.role != "prefill" or e.bootstrap_port is not None:
+            return True
+        async with s.get(e.url + "/server_info", timeout=aiohttp.ClientTimeout(total=2)) as r:
+            port = (await r.json()).get("disaggregation_bootstrap_port") if r.status == 200 else None
+        if isinstance(port, int) and port > 0:
+            e.bootstrap_port = port
+        return e.bootstrap_port is not None
 
     def stop(self) -> None:
         for p in self.procs:

@@ -48,9 +48,19 @@ class GatewayMetrics:
                                           registry=r)
         self.refused = Counter("conductor_refused_at_edge", "Requests refused before any route ran (auth, "
                                "Host, header size)", ["reason"], registry=r)
+        # per API key (names from the config only: bounded cardinality; no key: no sample)
+        self.key_requests = Counter("conductor_api_key_requests", "Finished requests by API key and outcome",
+                                    ["api_key", "status", "reason"], registry=r)
+        self.key_tokens = Counter("conductor_api_key_tokens", "Prompt and output tokens by API key",
+                                  ["api_key", "kind"], registry=r)
+        self.key_ttft = Histogram("conductor_api_key_time_to_first_token_seconds", "Gateway-measured TTFT by API key",
+                                  ["api_key"], buckets=_TTFT_BUCKETS, registry=r)
 
     def observe(self, rec: RequestRecord) -> None:
         self.requests.labels(rec.status, rec.reject_reason or "").inc()
+        key = rec.extra.get("api_key")
+        if key is not None:
+            self._observe_key(key, rec)
         if rec.status != "ok":
             return
         if rec.ttft_s is not None:
@@ -62,6 +72,15 @@ class GatewayMetrics:
         if rec.prefill_instance:
             self.inst_prompt_tokens.labels(rec.prefill_instance).inc(rec.prompt_tokens)
             self.inst_hit_tokens.labels(rec.prefill_instance).inc(rec.hit_tokens)
+
+
+    def _observe_key(self, key: str, rec: RequestRecord) -> None:
+        self.key_requests.labels(key, rec.status, rec.reject_reason or "").inc()
+        if rec.status == "ok":
+            self.key_tokens.labels(key, "prompt").inc(rec.prompt_tokens)
+            self.key_tokens.labels(key, "output").inc(rec.output_tokens)
+            if rec.ttft_s is not None:
+                self.key_ttft.labels(key).observe(rec.ttft_s)
 
 
 def make_tracer_provider(exporter: str, endpoint: str | None) -> TracerProvider | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import secrets
 import time
 import uuid
 from collections.abc import Awaitable
@@ -29,6 +30,7 @@ from gateway.config import GatewayConfig
 from gateway.errors import RequestError, error_response
 from gateway.indexer import Indexer
 from gateway.observability import GatewayMetrics, RequestSpans, TelemetryWriter
+from gateway.quotas import Quotas, Refusal
 from gateway.requests import (
     ParsedRequest,
     cache_salt,
@@ -38,6 +40,7 @@ from gateway.requests import (
     slo_override,
 )
 from gateway.streaming import StreamTally, UpstreamStream, prefill_usage
+from gateway.tenants import apply_salt
 from gateway.tokenizers import PromptTokenizer
 from predictors.telemetry import RequestRecord
 from scheduler import Rejection, RequestFacts
@@ -97,6 +100,9 @@ class Proxy:
         self.indexer: Indexer | None = None  # the indexer API, when served (gateway/app.py)
         self.sched = cluster.scheduler
         self._live: set[str] = set()  # request ids between arrival and finish
+        self.quotas = Quotas({k.name: k.tenant.limits for k in cfg.auth.api_keys.values()}, time.monotonic)
+        # isolated keys' cache salts: HMAC(secret, key name); a random secret lasts one process
+        self._salt_secret = (cfg.auth.cache_salt_secret or secrets.token_hex(32)).encode()
         ledger = self.sched.ledger
         metrics.inflight.set_function(lambda: len(ledger))  # requests holding a reservation, read at scrape
         # the predictors hear every finished request too (online correction, learned models)
@@ -123,6 +129,8 @@ class Proxy:
             try:
                 if bad_rid is not None:
                     raise bad_rid
+                if key is not None and (over := self.quotas.arrive(key.name, rec.request_id)) is not None:
+                    return self._over_quota(over, lc)
                 slo = slo_override(request.headers, self.cfg.slo, trusted=key is not None and key.trust_slo_headers)
                 req = parse_body(await self._read_body(request), endpoint, self.cfg.default_max_tokens)
                 if self.cluster.models and req.model not in self.cluster.models:
@@ -130,6 +138,8 @@ class Proxy:
                     raise RequestError(404, f"model {req.model!r} does not exist; served: {served}",
                                        "model_not_found", "model")
                 salt = cache_salt(req)
+                if key is not None:  # the key's cache mode: shared, isolated or the client's salt
+                    salt = apply_salt(req.body, key.tenant, key.name, self._salt_secret)
                 check_prompt_size(req, self.sched.max_model_len(), self._chars_per_token)
                 tokens = await self.tokenizer.tokens(req)
             except RequestError as e:
@@ -140,11 +150,20 @@ class Proxy:
                 lc.finish("aborted", 499)
                 return Response(status_code=499)
             rec.prompt_tokens, rec.max_tokens = len(tokens), req.max_tokens
+            rec.extra["model"] = req.model
+            if key is not None and (over := self.quotas.charge_tokens(key.name, len(tokens) + req.max_tokens,
+                                                                               rec.request_id)):
+                return self._over_quota(over, lc)
             # a salt or a LoRA adapter is a namespace of the engines' prefix caches: hash within it
             lora = req.model if req.model in self.cluster.adapters else None
             root = namespace_parent(salt, lora) if salt or lora else None
+            if lora is not None:
+                rec.extra["adapter"] = lora
+            if key is not None:
+                rec.extra["priority"] = key.tenant.priority
             facts = RequestFacts(rec.request_id, len(tokens), block_hashes(tokens, self.cfg.block_size, root),
-                                 req.max_tokens, slo)
+                                 req.max_tokens, slo, tenant=key and key.name, model=req.model, adapter=lora,
+                                 priority=key and key.tenant.priority)
             ix = self.indexer  # (the indexer API and the store know the base namespace only)
             if ix is not None and ix.remember_prompts and root is None:  # /query_by_hash in use: map this prompt
                 asyncio.get_running_loop().call_soon(ix.remember, tokens, facts.block_hashes)
@@ -174,6 +193,7 @@ class Proxy:
 
     def _forget(self, rec: RequestRecord) -> None:
         self._live.discard(rec.request_id)
+        self.quotas.release(rec.request_id, refund=rec.prefill_start_s is None)  # no engine worked on it
 
     async def _watching(self, request: Request, work: Awaitable[Response]) -> Response:
         """Run ``work`` (up to the response) while watching for the client leaving. uvicorn does
@@ -288,6 +308,17 @@ class Proxy:
         if d.retry_after_s is not None:
             headers["retry-after"] = str(max(1, int(-(-d.retry_after_s // 1))))
         return error_response(d.status, d.message, d.reason, headers=headers)
+
+    def _over_quota(self, r: Refusal, lc: RequestLifecycle) -> Response:
+        """429 ``rate_limited``: Retry-After from the bucket (absent when waiting cannot help)."""
+        rec = lc.record
+        rec.reject_reason, rec.retry_after_s = "rate_limited", r.retry_after_s
+        rec.extra["quota"] = r.limit
+        lc.finish("rejected", 429, error="rate_limited")
+        headers = {"x-conductor-reject-reason": "rate_limited", "x-request-id": self._echo_id(rec)}
+        if r.retry_after_s is not None:
+            headers["retry-after"] = str(max(1, int(-(-r.retry_after_s // 1))))
+        return error_response(429, r.message, "rate_limited", headers=headers)
 
     def _upstream_failure(self, e: UpstreamError, lc: RequestLifecycle) -> Response:
         echo = {"x-request-id": self._echo_id(lc.record)}

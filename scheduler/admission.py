@@ -40,6 +40,25 @@ def resolve_slo(configured: SLO, override: SLO | None) -> SLO:
                tbt_s=override.tbt_s if override.tbt_s is not None else configured.tbt_s)
 
 
+def scaled_slo(slo: SLO, fraction: float) -> SLO:
+    """The SLO a priority class is admitted against: each bound times its headroom fraction."""
+    if fraction == 1.0:
+        return slo
+    return SLO(ttft_s=None if slo.ttft_s is None else slo.ttft_s * fraction,
+               tbt_s=None if slo.tbt_s is None else slo.tbt_s * fraction)
+
+
+def check_headroom(headroom: dict[str, float]) -> dict[str, float]:
+    """Priority classes and their fractions of the SLO, each in (0, 1]; ValueError otherwise."""
+    out = {}
+    for cls, f in dict(headroom).items():
+        if not isinstance(cls, str) or not cls or isinstance(f, bool) or not isinstance(f, (int, float)) \
+                or not 0 < f <= 1:
+            raise ValueError(f"priority_headroom: class {cls!r} needs a fraction of the SLO in (0, 1], got {f!r}")
+        out[cls] = float(f)
+    return out
+
+
 def retry_seconds(seconds: float) -> float:
     """Whole seconds, at least one (HTTP Retry-After granularity)."""
     return float(max(1, math.ceil(seconds - 1e-9)))

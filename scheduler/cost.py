@@ -141,6 +141,7 @@ class DecisionContext:
     holder: str | None = None  # best holder: the longest prefix any candidate (or the store) can give
     holder_blocks: int = 0
     slo: SLO = field(default_factory=SLO)  # the request's SLO (configured, tightened by the request)
+    admit_fraction: float = 1.0  # of the SLO, up to which admission admits (the priority class's headroom)
     prefill_ready_s: float = 0.0  # from now until the chosen prefill is done (set after the prefill choice)
     usable_blocks: int = 0  # complete prompt blocks an engine can reuse (all but the last token's)
     pending: dict[str, int] = field(default_factory=dict)  # in-flight prefix per prefill instance (blocks)

@@ -46,6 +46,15 @@ def candidates(record: dict[str, Any], side: str) -> list[dict[str, Any]]:
     return [dict(zip(cols, row, strict=True)) for row in t.get("rows", ())]
 
 
+def request_labels(facts: Any, admit_fraction: float | None = None) -> dict[str, Any]:
+    """Who asked and for what (tenant = the API key's name, model, LoRA adapter, priority class),
+    the fields ``/admin/decisions`` filters on; only those the request has."""
+    out = {k: v for k in ("tenant", "model", "adapter", "priority") if (v := getattr(facts, k, None)) is not None}
+    if admit_fraction is not None and admit_fraction != 1.0:
+        out["admit_fraction"] = admit_fraction
+    return out
+
+
 def bare_record(request_id: Any, policy: str, now: float, reason: str, message: str) -> dict[str, Any]:
     """A refusal before any candidate was weighed (bad request, nothing healthy)."""
     return {"request_id": request_id, "policy": policy, "time_s": now, "outcome": "rejected",

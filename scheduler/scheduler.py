@@ -25,8 +25,17 @@ from predictors.facts import Deployment, load_deployment
 from predictors.telemetry import SLO
 from predictors.types import Role
 from scheduler import admission
+from scheduler.admission import check_headroom
 from scheduler.cost import DecisionContext, DecodeCandidate, PrefillCandidate, TermBook, best_holder
-from scheduler.explain import DECODE_COLUMNS, PREFILL_COLUMNS, bare_record, decode_row, prefill_row, table
+from scheduler.explain import (
+    DECODE_COLUMNS,
+    PREFILL_COLUMNS,
+    bare_record,
+    decode_row,
+    prefill_row,
+    request_labels,
+    table,
+)
 from scheduler.hit_index import HitIndex
 from scheduler.inflight import InflightPrefixes
 from scheduler.ledger import Ledger, Reservation
@@ -42,7 +51,8 @@ STORE_ALLOWANCE_BLOCKS = 1 << 18
 class _Pools:
     """Candidate instances by side, with the context lengths that decide whether to filter."""
 
-    __slots__ = ("prefill", "decode", "prefill_max_len", "prefill_min_len", "decode_min_len", "prefill_only")
+    __slots__ = ("prefill", "decode", "prefill_max_len", "prefill_min_len", "decode_min_len", "prefill_only",
+                 "mixed")
 
     def __init__(self, prefill: list[Instance], decode: list[Instance], max_len: dict[str, int]):
         self.prefill, self.decode = prefill, decode
@@ -50,6 +60,8 @@ class _Pools:
         self.prefill_min_len = min((max_len[i.id] for i in prefill), default=0)
         self.decode_min_len = min((max_len[i.id] for i in decode), default=0)
         self.prefill_only = any(i.role == Role.PREFILL for i in prefill)
+        # whether the fleet mixes engine families (PD protocols): then pairs must match
+        self.mixed = len({i.protocol for i in prefill + decode}) > 1
 
 
 class Scheduler:
@@ -60,7 +72,7 @@ class Scheduler:
                  predictors: Predictors | None = None, seed: int = 0, early_rejection: bool = False,
                  admission: bool = True, late_rejection: bool = False,
                  keep_decisions: int = 1000, index: PrefixIndex | None = None, ledger: LoadLedger | None = None,
-                 **policy_params: Any):
+                 priority_headroom: dict[str, float] | None = None, **policy_params: Any):
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.policy = make_policy(policy, **policy_params)
@@ -72,6 +84,9 @@ class Scheduler:
         if early_rejection and late_rejection:
             raise ValueError("early_rejection and late_rejection exclude each other")
         self.early_rejection = early_rejection
+        # priority class -> fraction of the SLO its requests are admitted up to: under overload a
+        # class with less headroom is refused first, leaving the rest of the SLO to the others
+        self.priority_headroom = check_headroom(priority_headroom or {})
         # False: never refuse over the SLO (verdicts still recorded) -- how the peer routers ship
         self.admission = admission
         self.late_rejection = late_rejection
@@ -90,6 +105,10 @@ class Scheduler:
         self._kv_capacity: dict[str, int] = {}
         self._group: dict[str, Any] = {}
         self._pool_cache: _Pools | None = None
+        # model names (base models and LoRA adapters) each instance serves, once known
+        # (``set_models``); an instance without an entry serves whatever it is asked
+        self._models: dict[str, frozenset[str]] = {}
+        self._model_pools: tuple[_Pools | None, dict[str, _Pools]] = (None, {})  # per model, over _pool_cache
         for inst in instances:
             if not self.add_instance(inst):
                 raise ValueError(f"duplicate instance id {inst.id!r}")
@@ -156,6 +175,26 @@ class Scheduler:
             self._pool_cache = None
         return changed
 
+    def set_models(self, instance_id: str, models: Iterable[str] | None) -> bool:
+        """The model names an instance answers to (its base models and loaded LoRA adapters, as
+        its ``/v1/models`` lists them); a request naming a model is placed only on instances
+        serving it, prefill and decode side alike. None: forget (serves anything). True on a change."""
+        if not self._known(instance_id):
+            return False
+        new = None if models is None else frozenset(models)
+        if self._models.get(instance_id) == new:
+            return False
+        if new is None:
+            self._models.pop(instance_id, None)
+        else:
+            self._models[instance_id] = new
+        self._pool_cache = None
+        return True
+
+    def serves(self, instance_id: str, model: str) -> bool:
+        names = self._models.get(instance_id)
+        return names is None or model in names
+
     def max_model_len(self) -> int:
         """The longest context any known instance takes (0 with none): the gateway bounds a
         prompt's size by it before tokenizing."""
@@ -167,6 +206,7 @@ class Scheduler:
             return False
         del self._instances[instance_id], self._healthy[instance_id], self._max_len[instance_id]
         del self._group[instance_id], self._deployment[instance_id], self._kv_capacity[instance_id]
+        self._models.pop(instance_id, None)
         self._pool_cache = None
         self.index.unregister(instance_id)
         self.ledger.remove_instance(instance_id)
@@ -206,6 +246,28 @@ class Scheduler:
             self._pool_cache = pools
         return pools
 
+    def _for_model(self, pools: _Pools, model: str) -> _Pools:
+        """The candidates serving ``model`` (an adapter counts only where it is loaded); cached
+        per model while the unfiltered pools are."""
+        cached = pools is self._pool_cache
+        if cached:
+            base, by_model = self._model_pools
+            if base is not pools:
+                by_model = {}
+                self._model_pools = (pools, by_model)
+            hit = by_model.get(model)
+            if hit is not None:
+                return hit
+        serves = self.serves
+        prefill = [i for i in pools.prefill if serves(i.id, model)]
+        if not prefill and pools.prefill:
+            raise _Refused(UNAVAILABLE, "model_not_served",
+                           f"no healthy prefill instance serves model {model!r}")
+        out = _Pools(prefill, [i for i in pools.decode if serves(i.id, model)], self._max_len)
+        if cached and len(self._model_pools[1]) < 1024:  # bounded: model names come from the engines
+            self._model_pools[1][model] = out
+        return out
+
     # --- request lifecycle --------------------------------------------------------------
     def decide(self, facts: RequestFacts) -> Placement | Rejection:
         """Place a request or refuse it; never raises."""
@@ -240,7 +302,7 @@ class Scheduler:
         decoding then (prefill done, this request not counted) plus this one; a refusal wastes the
         prefill. None (admitted) otherwise, or for a request holding no reservation. The caller
         finishes the request."""
-        slo = admission.resolve_slo(self.slo, facts.slo)
+        slo = admission.scaled_slo(admission.resolve_slo(self.slo, facts.slo), self._headroom(facts))
         if not self.late_rejection or slo.tbt_s is None or facts.request_id not in self.ledger:
             return None
         now = self.clock()
@@ -254,7 +316,7 @@ class Scheduler:
             return None
         self._count(v.reason)
         record = bare_record(facts.request_id, self.policy_name, now, v.reason, v.message)
-        record["stage"] = "decode"
+        record.update(request_labels(facts, self._headroom(facts)), stage="decode")
         return Rejection(facts.request_id, v.status, v.reason, v.message, v.retry_after_s, record)
 
     def release(self, request_id: str) -> bool:
@@ -300,6 +362,7 @@ class Scheduler:
         rid = getattr(facts, "request_id", None)
         if record is None:
             record = bare_record(rid, self.policy_name, now, reason, message)
+            record.update(request_labels(facts))
         else:
             record["message"] = message
         if commit:
@@ -317,6 +380,7 @@ class Scheduler:
             self._validate(facts, now, commit)
             ctx = DecisionContext(facts, now, self.block_size, self.predictors, self._rng_for(facts.request_id))
             ctx.slo = admission.resolve_slo(self.slo, facts.slo)
+            ctx.admit_fraction = self._headroom(facts)
             self._eligible(ctx, exclude)
             self._cache_facts(ctx)
             self._terms(ctx)
@@ -339,6 +403,9 @@ class Scheduler:
     def _eligible(self, ctx: DecisionContext, exclude: frozenset[str]) -> None:
         facts = ctx.facts
         pools = self._pools(exclude)
+        model = getattr(facts, "model", None)
+        if model is not None and self._models:
+            pools = self._for_model(pools, model)
         if not pools.prefill:
             raise _Refused(UNAVAILABLE, "no_healthy_prefill", "no healthy prefill instance")
         need = facts.prompt_tokens + facts.max_tokens
@@ -350,6 +417,9 @@ class Scheduler:
         if need > pools.decode_min_len:
             decode_pool = [i for i in decode_pool if self._max_len[i.id] >= need]
         prefill_pool = pools.prefill
+        if pools.mixed:  # a prefill-only instance needs a decode instance of its protocol
+            protos = {i.protocol for i in decode_pool}
+            prefill_pool = [i for i in prefill_pool if i.role == Role.BOTH or i.protocol in protos]
         if need > pools.prefill_min_len or (not decode_pool and pools.prefill_only):
             prefill_pool = [i for i in prefill_pool
                             if self._max_len[i.id] >= need and (i.role == Role.BOTH or decode_pool)]
@@ -400,6 +470,9 @@ class Scheduler:
         prefill_done_at = ctx.now + ctx.prefill_ready_s
         if self.early_rejection:  # decode load predicted when this prefill finishes (Mooncake §7.4)
             ctx.decode = self._decode_candidates(ctx.decode_pool, ctx.facts, ctx.now, prefill_done_at)
+        if p.role != Role.BOTH and self._pools(frozenset()).mixed:  # never mix protocols
+            proto = self._instances[p.id].protocol
+            ctx.decode = [d for d in ctx.decode if self._instances[d.id].protocol == proto]
         self._kv_waits(ctx, prefill_done_at)
         if p.role != Role.BOTH:
             dc = self.policy.choose_decode(ctx, p)
@@ -429,7 +502,8 @@ class Scheduler:
             ch.first_step_s = d.tbt_s
             ch.decode_wait_s = max(0.0, d.kv_wait_s - ready)
         ch.ttft = ready + ch.decode_wait_s + ch.kv_s + ch.first_step_s
-        slo = ch.slo = ctx.slo
+        ch.slo = ctx.slo
+        slo = admission.scaled_slo(ctx.slo, ctx.admit_fraction)  # a priority class's share of the SLO
         floor = None  # the best TTFT any candidate could give once its queue drains
         if slo.ttft_s is not None and ch.ttft > slo.ttft_s:
             rows = ch.prefill.rows or {}
@@ -490,6 +564,10 @@ class Scheduler:
             out.append(DecodeCandidate(i.id, i.role, state, tbt(state, prompt, max_tokens)))
         return out
 
+    def _headroom(self, facts: RequestFacts) -> float:
+        cls = getattr(facts, "priority", None)
+        return 1.0 if cls is None else self.priority_headroom.get(cls, 1.0)
+
     def _rng_for(self, request_id: str) -> random.Random:
         """Randomness per request, reproducible from (seed, request id) whatever came before."""
         return random.Random(xxhash.xxh3_64_intdigest(request_id.encode("utf-8", "surrogatepass"),
@@ -510,6 +588,7 @@ class Scheduler:
             "admission": self.admission,
             "prompt_tokens": ctx.facts.prompt_tokens, "max_tokens": ctx.facts.max_tokens,
             "slo": {"ttft_s": slo.ttft_s, "tbt_s": slo.tbt_s}, "early_rejection": self.early_rejection,
+            **request_labels(ctx.facts, ctx.admit_fraction),
             "store_hit_tokens": ctx.store_blocks * ctx.block_size,
             "best_holder": {"id": ctx.holder, "hit_tokens": ctx.holder_blocks * ctx.block_size},
             "prefill": table(PREFILL_COLUMNS, [prefill_row(c, rows.get(c.id, c.local), scores.get(c.id))

@@ -20,6 +20,8 @@ class Instance:
     the deployment" (the model card's context length; vLLM's default 0.9 of HBM minus weights
     minus an activation reserve) until the engine reports its own (``Scheduler.set_capacity``).
     ``host_capacity_tokens``: KV tokens its host-memory tier holds (0: none).
+    ``protocol``: the PD protocol it speaks (e.g. ``vllm``, ``sglang``): a prefill instance is
+    paired only with decode instances of the same protocol (KV cannot cross engine families).
     """
 
     id: str
@@ -29,6 +31,7 @@ class Instance:
     kv_capacity_tokens: int | None = None
     host_capacity_tokens: int = 0
     max_model_len: int | None = None
+    protocol: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not self.id or self.id in (Tier.STORE, Tier.HOST):
@@ -63,6 +66,11 @@ class RequestFacts:
     block_hashes: list[int]  # scheduler.hashing.block_hashes(prompt_token_ids, block_size)
     max_tokens: int  # expected output tokens
     slo: SLO | None = None  # per-request override; a None field means "use the configured one"
+    # who asked and for what (recorded in the explanation; a priority class tightens admission)
+    tenant: str | None = None
+    model: str | None = None
+    adapter: str | None = None
+    priority: str | None = None  # a class of the scheduler's ``priority_headroom``; None: full SLO
     # leading prompt blocks the shared store holds, as the gateway's store tier learned it (from the
     # store's KV events or its /batch_query_keys); None: only what the prefix index knows
     store_blocks: int | None = None

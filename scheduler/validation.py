@@ -40,6 +40,10 @@ def check_facts(facts: Any, block_size: int) -> tuple[str, str] | None:
         array("Q", hashes)
     except (TypeError, OverflowError, ValueError):
         return "bad_block_hashes", "block hashes must be unsigned 64-bit integers"
+    for name in ("tenant", "model", "adapter", "priority"):
+        v = getattr(facts, name, None)
+        if v is not None and not isinstance(v, str):
+            return "bad_request", f"{name} must be a string or None, got {type(v).__name__}"
     if slo is not None and (not isinstance(slo, SLO) or _bad_slo_field(slo.ttft_s) or _bad_slo_field(slo.tbt_s)):
         return "bad_slo", f"slo must be an SLO with positive finite fields or None, got {slo!r}"
     return None

@@ -48,12 +48,17 @@ def stop(*procs: subprocess.Popen) -> None:
             p.wait()
 
 
+#: the PD protocols every end-to-end gateway scenario runs against
+FLAVORS = ("vllm", "sglang", "vllm-mooncake")
+
+
 @contextmanager
-def sim_engine(role: str, *extra: str):
-    engine = RestartableEngine(role, *extra)
+def sim_engine(role: str, *extra: str, flavor: str = "vllm"):
+    engine = RestartableEngine(role, *extra, flavor=flavor)
     engine.start()
     try:
-        yield {"url": engine.url, "port": engine.port, "kv": engine.kv, "replay": engine.replay, "proc": engine.proc}
+        yield {"url": engine.url, "port": engine.port, "kv": engine.kv, "replay": engine.replay, "proc": engine.proc,
+               "engine": engine}
     finally:
         engine.stop()
 
@@ -65,18 +70,26 @@ def gateway(config_text: str = "", *, log_dir: str | None = None):
         cfg = os.path.join(d, "conductor.toml")
         with open(cfg, "w") as f:
             f.write(config_text)
-        proc = conductor("serve", "--config", cfg, "--port", str(port), "--log-level", "warning",
-                         log=os.path.join(log_dir or d, "gateway.log"))
+        log = os.path.join(log_dir or d, "gateway.log")
+        proc = conductor("serve", "--config", cfg, "--port", str(port), "--log-level", "warning", log=log)
         try:
-            wait_until(f"http://127.0.0.1:{port}/ready", proc, timeout_s=90)
+            try:
+                wait_until(f"http://127.0.0.1:{port}/ready", proc, timeout_s=90)
+            except (RuntimeError, TimeoutError) as e:  # say why: the gateway's own last words
+                with open(log, errors="replace") as f:
+                    raise RuntimeError(f"{e}; gateway log ends: {f.read()[-2000:]}") from None
             yield {"url": f"http://127.0.0.1:{port}", "proc": proc, "dir": d}
         finally:
             stop(proc)
 
 
-def engine_entry(eid: str, role: str, url: str, kv: str | None = None, replay: str | None = None) -> list[str]:
+def engine_entry(eid: str, role: str, url: str, kv: str | None = None, replay: str | None = None, *,
+                 protocol: str = "vllm", bootstrap_port: int | None = None) -> list[str]:
     """The ``[[engines]]`` lines of a gateway config naming one sim engine."""
-    lines = ["[[engines]]", f'id = "{eid}"', f'role = "{role}"', 'kind = "sim"', f'url = "{url}"']
+    lines = ["[[engines]]", f'id = "{eid}"', f'role = "{role}"', 'kind = "sim"', f'url = "{url}"',
+             f'protocol = "{protocol}"']
+    if bootstrap_port is not None:
+        lines.append(f"bootstrap_port = {bootstrap_port}")
     if kv:
         lines += [f'kv_events = "{kv}"', f'kv_events_replay = "{replay}"']
     return lines
@@ -86,8 +99,14 @@ class RestartableEngine:
     """A sim engine on fixed loopback ports (HTTP, KV events, replay) that a test can stop and
     start again on the same address, as an engine restart looks to the gateway."""
 
-    def __init__(self, role: str = "both", *extra: str):
-        self.role, self.extra = role, extra
+    def __init__(self, role: str = "both", *extra: str, flavor: str = "vllm"):
+        from gateway.embedded import BOOTSTRAP_FLAGS, sim_flavor_args
+
+        self.role, self.flavor = role, flavor
+        self.bootstrap = free_port() if flavor != "vllm" and role == "prefill" else None
+        self.extra = (*sim_flavor_args(flavor), *extra)
+        if self.bootstrap is not None:
+            self.extra += (BOOTSTRAP_FLAGS[flavor], str(self.bootstrap))
         self.port, kv, replay = free_port(), free_port(), free_port()
         self.url, self.kv, self.replay = f"http://127.0.0.1:{self.port}", f"tcp://127.0.0.1:{kv}", f"tcp://127.0.0.1:{replay}"
         self.proc: subprocess.Popen | None = None
@@ -102,5 +121,6 @@ class RestartableEngine:
         if self.proc is not None:
             stop(self.proc)
 
-    def entry(self, eid: str) -> list[str]:
-        return engine_entry(eid, self.role, self.url, self.kv, self.replay)
+    def entry(self, eid: str, events: bool = True) -> list[str]:
+        return engine_entry(eid, self.role, self.url, self.kv if events else None, self.replay,
+                            protocol=self.flavor, bootstrap_port=self.bootstrap)

@@ -123,9 +123,10 @@ def test_unreachable_prefill_is_retryable(engines):
 
 
 def test_flavour_registry():
-    assert set(FLAVORS) == {"vllm"} and driver_for("vllm").flavor == "vllm"
-    with pytest.raises(ValueError, match="known: vllm"):
-        flavor("sglang")
+    assert set(FLAVORS) == {"vllm", "sglang", "vllm-mooncake"} and driver_for("vllm").flavor == "vllm"
+    assert driver_for("sglang").flavor == "sglang" and driver_for("vllm-mooncake").flavor == "vllm-mooncake"
+    with pytest.raises(ValueError, match="known: vllm, sglang, vllm-mooncake"):
+        flavor("trtllm")
     sample = parse_metrics("vllm", "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 2\n")
     assert sample.running == 2 and sample.waiting == 0
     ev = BlockStored([1, 2], None, list(range(32)), 16, None, "GPU", None)

@@ -63,3 +63,29 @@ def test_engines_name_a_public_deployment_and_the_prior_is_configurable():
         else:
             with pytest.raises(ConfigError, match=words):
                 parse_config(raw)
+
+
+def _eng(eid, role, kind="vllm", **kw):
+    return {"id": eid, "role": role, "url": f"http://127.0.0.1:9/{eid}", "kind": kind, **kw}
+
+
+def test_each_engine_says_which_protocol_it_speaks():
+    cfg = parse_config({"engines": [_eng("p", "prefill", "sglang", bootstrap_port=9001), _eng("d", "decode", "sglang"),
+                                    _eng("sp", "prefill", "sim"), _eng("sd", "decode", "sim", protocol="vllm"),
+                                    _eng("gp", "prefill", "sim", protocol="sglang"), _eng("vd", "decode")]})
+    assert [e.flavor for e in cfg.engines] == ["sglang", "sglang", "vllm", "vllm", "sglang", "vllm"]
+    assert cfg.engines[0].bootstrap_port == 9001
+    assert parse_config({"embedded": {"engine": "sglang"}}).embedded.engine == "sglang"
+
+
+@pytest.mark.parametrize("engines, words", [
+    ([_eng("sg-p", "prefill", "sglang"), _eng("v-d", "decode", "vllm")], r"sg-p \(sglang prefill\).*v-d \(vllm\)"),
+    ([_eng("v-p", "prefill"), _eng("sg-d", "decode", "sim", protocol="sglang")], r"v-p \(vllm prefill\).*sg-d"),
+    ([_eng("p", "prefill", protocol="trtllm"), _eng("d", "decode")], "protocol must be one of"),
+    ([_eng("p", "prefill", "sglang", bootstrap_port=0), _eng("d", "decode", "sglang")], "bootstrap_port"),
+])
+def test_a_pair_that_would_mix_protocols_is_refused_naming_both(engines, words):
+    with pytest.raises(ConfigError, match=words):
+        parse_config({"engines": engines})
+    with pytest.raises(ConfigError, match="engine must be one of"):
+        parse_config({"embedded": {"engine": "trtllm"}})

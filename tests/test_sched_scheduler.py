@@ -338,3 +338,23 @@ def test_capacity_from_config_or_the_engine_replaces_the_public_estimate():
     assert (est["kv_capacity_tokens"], est["max_model_len"]) == (d.estimated_kv_capacity_tokens(), d.max_model_len)
     with pytest.raises(ValueError):
         Instance("c", "both", kv_capacity_tokens=0)
+
+
+def test_a_mixed_fleet_never_pairs_across_protocols():
+    clock = Clock(0.0)
+    insts = [Instance("vp", "prefill", protocol="vllm"), Instance("vd", "decode", protocol="vllm"),
+             Instance("sp", "prefill", protocol="sglang"), Instance("sd", "decode", protocol="sglang")]
+    sched = Scheduler(insts, policy="round_robin", clock=clock)
+    pairs = set()
+    for i in range(12):
+        d = sched.decide(facts(f"r{i}", seed=i))
+        pairs.add((d.prefill, d.decode))
+        sched.release(f"r{i}")
+    assert pairs == {("vp", "vd"), ("sp", "sd")}
+    sched.set_healthy("sd", False)  # the SGLang prefill has no decode of its protocol left
+    for i in range(6):
+        d = sched.decide(facts(f"s{i}", seed=i))
+        assert (d.prefill, d.decode) == ("vp", "vd")
+        sched.release(f"s{i}")
+    sched.set_healthy("vd", False)
+    assert sched.decide(facts("t")).reason == "no_healthy_decode"

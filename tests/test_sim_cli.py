@@ -24,7 +24,10 @@ pytestmark = pytest.mark.slow
     (["--role", "both", "--port", "8000", "--kv-events", "http://x"], "ZMQ endpoint"),
     (["--role", "both", "--port", "8000", "--kv-events", "tcp://*:5557", "--kv-events-replay", "tcp://10.0.0.1:5"],
      "loopback"),
-    (["--role", "both", "--port", "8000", "--flavor", "sglang"], "only 'vllm'"),
+    (["--role", "both", "--port", "8000", "--flavor", "trtllm"], "invalid choice: 'trtllm'"),
+    (["--port", "8000"], "--role is required"),
+    (["--role", "prefill", "--disaggregation-mode", "decode", "--port", "8000", "--flavor", "sglang"], "contradicts"),
+    (["--role", "both", "--port", "8000", "--kv-events-config", "{oops"], "not JSON"),
     (["--role", "both", "--port", "8000", "--max-num-seqs", "512", "--max-num-batched-tokens", "256"], ">="),
 ])
 def test_bad_arguments(args, needle):

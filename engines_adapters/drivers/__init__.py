@@ -24,8 +24,11 @@ from engines_adapters.drivers.base import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
+from engines_adapters.drivers.sglang import SGLangDriver, parse_sglang_metrics
 from engines_adapters.drivers.vllm import VLLMTwoStepDriver, parse_vllm_metrics
+from engines_adapters.drivers.vllm_mooncake import VLLMMooncakeDriver
 from engines_adapters.kv_wire import Event, decode_batch
+from engines_adapters.sglang_wire import decode_batch as decode_sglang_batch
 
 #: A KV-event payload frame -> (timestamp, events in the normalised (vLLM) classes, DP rank).
 KVBatchDecoder = Callable[[bytes], tuple[float, list[Event], int | None]]
@@ -43,6 +46,9 @@ class Flavor:
 
 FLAVORS: dict[str, Flavor] = {
     "vllm": Flavor("vllm", VLLMTwoStepDriver(), parse_vllm_metrics, decode_batch),
+    "sglang": Flavor("sglang", SGLangDriver(), parse_sglang_metrics, decode_sglang_batch),
+    # vLLM's own MooncakeConnector: same engine surface, metrics and events as vllm, another PD protocol
+    "vllm-mooncake": Flavor("vllm-mooncake", VLLMMooncakeDriver(), parse_vllm_metrics, decode_batch),
 }
 
 
@@ -67,5 +73,6 @@ def kv_event_decoder(name: str) -> KVBatchDecoder:
 
 
 __all__ = ["FLAVORS", "DecodeResponse", "EngineHTTP", "Flavor", "KVBatchDecoder", "LoadSample", "Pair", "PairDriver",
-           "PairHooks", "PairRequest", "UpstreamError", "UpstreamHTTPError", "UpstreamTimeout", "UpstreamUnavailable",
+           "PairHooks", "PairRequest", "SGLangDriver", "UpstreamError", "UpstreamHTTPError", "UpstreamTimeout",
+           "UpstreamUnavailable",
            "VLLMTwoStepDriver", "driver_for", "flavor", "kv_event_decoder", "parse_metrics"]

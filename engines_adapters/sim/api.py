@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -62,6 +62,8 @@ class ServerInfo:
     hf_name: str
     max_model_len: int
     engine_id: str
+    aliases: tuple[str, ...] = ()  # more --served-model-name values (vLLM answers to each)
+    lora_modules: dict[str, str] = field(default_factory=dict)  # --lora-modules name=path (a cache namespace each)
 
 
 @dataclass
@@ -76,6 +78,9 @@ class _Gen:
     include_usage: bool
     kv: KVParams | None
     cache_salt: str | None = None
+    lora: str | None = None  # the LoRA adapter the request names as its model
+    native: bool = False  # SGLang's /generate (its own response shape)
+    block_hashes: list[int] | None = None  # the prompt's cache keys when a flavour namespaces them itself
 
 
 def _int_field(body: dict, key: str) -> int | None:
@@ -107,7 +112,7 @@ class OpenAIApi:
         self.puller = puller
         self.store = store  # the shared KV store connector (--kv-store), or None
         self.tok = ByteTokenizer()
-        self._names = {info.served_name, info.hf_name}
+        self._names = {info.served_name, info.hf_name, *info.aliases}
         self._remote: dict[str, KVParams] = {}  # decode requests whose prefill still holds KV
         self._created = int(time.time())
         driver.on_kv_loaded = self._kv_loaded
@@ -137,8 +142,12 @@ class OpenAIApi:
 
     async def models(self, request: web.Request) -> web.Response:
         i = self.info
-        data = [{"id": i.served_name, "object": "model", "created": self._created, "owned_by": "vllm",
-                 "root": i.hf_name, "parent": None, "max_model_len": i.max_model_len, "permission": []}]
+        data = [{"id": name, "object": "model", "created": self._created, "owned_by": "vllm",
+                 "root": i.hf_name, "parent": None, "max_model_len": i.max_model_len, "permission": []}
+                for name in (i.served_name, *i.aliases)]
+        data += [{"id": name, "object": "model", "created": self._created, "owned_by": "vllm", "root": path,
+                  "parent": i.served_name, "max_model_len": i.max_model_len, "permission": []}
+                 for name, path in i.lora_modules.items()]  # vLLM lists adapters with their base as parent
         return _json_response({"object": "list", "data": data})
 
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
@@ -230,14 +239,18 @@ class OpenAIApi:
             raise ApiError(400, "the request body must be a JSON object")
         return body
 
-    def _check_model(self, body: dict) -> None:
+    def _check_model(self, body: dict) -> str | None:
+        """The LoRA adapter the request names (None: a base model name or none)."""
         model = body.get("model")
         if model is None:
-            return
+            return None
         if not isinstance(model, str):
             raise ApiError(400, "'model' must be a string", "model")
+        if model in self.info.lora_modules:
+            return model
         if model not in self._names:
             raise ApiError(404, f"The model `{model}` does not exist.", "model")
+        return None
 
     def _prompt_ids(self, body: dict, chat: bool) -> list[int]:
         try:
@@ -256,7 +269,7 @@ class OpenAIApi:
             raise ApiError(400, str(e), "messages" if chat else "prompt") from None
 
     def _parse(self, body: dict, chat: bool) -> _Gen:
-        self._check_model(body)
+        lora = self._check_model(body)
         prompt = self._prompt_ids(body, chat)
         n = body.get("n", 1)
         if n not in (1, None):
@@ -283,10 +296,7 @@ class OpenAIApi:
         if so is not None and not isinstance(so, dict):
             raise ApiError(400, "'stream_options' must be an object", "stream_options")
         include_usage = _bool_field(so or {}, "include_usage")
-        try:
-            kv = parse_kv_params(body.get("kv_transfer_params"))
-        except KVParamsError as e:
-            raise ApiError(400, str(e), "kv_transfer_params") from None
+        kv = self._kv_params(body, prompt)
         if kv is not None:
             if kv.do_remote_decode and self.info.role == "decode":
                 raise ApiError(400, "this is a decode instance: it cannot serve do_remote_decode", "kv_transfer_params")
@@ -298,7 +308,19 @@ class OpenAIApi:
         salt = body.get("cache_salt")
         if salt is not None and (not isinstance(salt, str) or not salt):  # vLLM's own check and message
             raise ApiError(400, "Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
-        return _Gen(chat, prompt, max_tokens, _bool_field(body, "ignore_eos"), stream, include_usage, kv, salt)
+        return _Gen(chat, prompt, max_tokens, _bool_field(body, "ignore_eos"), stream, include_usage, kv, salt, lora)
+
+    def _kv_params(self, body: dict, prompt: list[int]) -> KVParams | None:
+        """The request's PD role (vLLM: ``kv_transfer_params``); a flavour overrides this."""
+        try:
+            return parse_kv_params(body.get("kv_transfer_params"))
+        except KVParamsError as e:
+            raise ApiError(400, str(e), "kv_transfer_params") from None
+
+    async def _before_end(self, g: _Gen, rid: str) -> str | None:
+        """Runs when the request finished, before its last bytes go out; an error message ends
+        it as failed instead (SGLang's prefill answers only once its KV was handed over)."""
+        return None
 
     def _request_id(self, request: web.Request) -> str:
         rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
@@ -313,7 +335,11 @@ class OpenAIApi:
             g = self._parse(await self._body(request), chat)
         except ApiError as e:
             return error_response(e.status, e.message, e.param, echo)
-        rid = self._request_id(request)
+        return await self._run(request, g, echo)
+
+    async def _run(self, request: web.Request, g: _Gen, echo: dict, rid: str | None = None) -> web.StreamResponse:
+        """Pull the prompt's KV when the request asks (PD decode side), run it, answer it."""
+        rid = rid or self._request_id(request)
         remote = g.kv is not None and g.kv.do_remote_prefill
         if remote:
             try:
@@ -332,7 +358,8 @@ class OpenAIApi:
                 return error_response(409, f"the prefill instance holds KV for {meta.get('num_tokens')} tokens but "
                                            f"this prompt has {len(g.prompt)}", "kv_transfer_params", echo)
         req = SimRequest(rid, g.prompt, g.max_tokens, output_len=g.max_tokens if g.ignore_eos else None,
-                         hold_kv=bool(g.kv and g.kv.do_remote_decode), remote_kv=remote, cache_salt=g.cache_salt)
+                         hold_kv=bool(g.kv and g.kv.do_remote_decode), remote_kv=remote, cache_salt=g.cache_salt,
+                         lora_name=g.lora, block_hashes=g.block_hashes)
         if self.store is not None and not remote and not (g.cache_salt or req.lora_name):
             req.store_blocks, req.store_fetched, req.store_load_s = await self.store.prefetch(g.prompt)
         try:
@@ -344,6 +371,8 @@ class OpenAIApi:
         if remote:
             self._remote[rid] = g.kv
         try:
+            if g.native:
+                return await self._native(request, st, g, rid, echo)
             if g.stream:
                 return await self._stream(request, st, g, rid, echo)
             return await self._complete(st, g, rid, echo)
@@ -353,6 +382,10 @@ class OpenAIApi:
             p = self._remote.pop(rid, None)
             if p is not None:
                 self.puller.release(p)
+
+    async def _native(self, request: web.Request, st: RequestStream, g: _Gen, rid: str,
+                      echo: dict) -> web.StreamResponse:
+        return error_response(404, "/generate is SGLang's native API: run the engine with --flavor sglang", None, echo)
 
     def _usage(self, st: RequestStream) -> dict:
         f = st.finished
@@ -385,6 +418,9 @@ class OpenAIApi:
                 st.tokens = []
             if st.finished is not None:
                 break
+        err = await self._before_end(g, rid)
+        if err is not None:
+            return error_response(500, err, None, echo)
         f = st.finished
         text = self.tok.decode(tokens)
         choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": f.reason, "stop_reason": None}
@@ -394,7 +430,8 @@ class OpenAIApi:
         else:
             choice["text"] = text
             body = {"id": f"cmpl-{rid}", "object": "text_completion"}
-        body.update(created=int(time.time()), model=self.info.served_name, choices=[choice], usage=self._usage(st))
+        body.update(created=int(time.time()), model=g.lora or self.info.served_name, choices=[choice],
+                    usage=self._usage(st))
         kvp = self._kv_params_out(g, rid)
         if kvp is not None:
             body["kv_transfer_params"] = kvp
@@ -405,7 +442,7 @@ class OpenAIApi:
     async def _stream(self, request: web.Request, st: RequestStream, g: _Gen, rid: str,
                       echo: dict) -> web.StreamResponse:
         created = int(time.time())
-        model = self.info.served_name
+        model = g.lora or self.info.served_name  # vLLM answers with the adapter's name for a LoRA request
         jm = _json.encode(model).decode()  # ids and names are JSON-escaped: X-Request-Id is client input
         if g.chat:
             jid = _json.encode(f"chatcmpl-{rid}").decode()
@@ -433,7 +470,12 @@ class OpenAIApi:
                 await resp.prepare(request)
                 out = first_chunk + out
             if st.finished is not None:
-                out += self._final_chunks(st, g, rid, created, model)
+                err = await self._before_end(g, rid)
+                if err is not None:
+                    out += b"data: " + _json.encode({"error": {"message": err, "type": "InternalServerError",
+                                                               "code": 500}}) + b"\n\ndata: [DONE]\n\n"
+                else:
+                    out += self._final_chunks(st, g, rid, created, model)
                 await resp.write(out)
                 break
             if out:

@@ -84,6 +84,7 @@ class KVCache:
         self.on_evict: Callable[[list[int]], None] | None = None  # evicted hashes (a store's write-back)
         self.offloads = 0
         self.merge_removals = merge_removals
+        self.host_medium = MEDIUM_CPU  # the host tier's name in events (SGLang: CPU_PINNED)
 
     # --- capacity ---------------------------------------------------------------------------
     def num_free(self) -> int:
@@ -159,12 +160,12 @@ class KVCache:
                                            parent_block_hash=m.parent_vh if m is not None else None,
                                            token_ids=list((m.tokens if m is not None else None) or ()),
                                            block_size=self.block_size, lora_id=lora_int_id(lora),
-                                           medium=MEDIUM_CPU, lora_name=lora,
+                                           medium=self.host_medium, lora_name=lora,
                                            extra_keys=[m.keys if m is not None else None], group_idx=0))
         if len(host) > self.host_capacity:
             old_h, old = host.popitem(last=False)
             if self.events is not None:
-                self._removed([old.vh if old is not None else old_h], MEDIUM_CPU)
+                self._removed([old.vh if old is not None else old_h], self.host_medium)
 
     def _removed(self, vhs: list[int], medium: str) -> None:
         """One BlockRemoved per block, as vLLM's BlockPool sends them (group 0: one KV-cache group)."""

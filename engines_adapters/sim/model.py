@@ -37,6 +37,7 @@ from scheduler.hashing import (
 )
 
 from ..kv_wire import MEDIUM_GPU, BlockStored
+from ..sglang_wire import MEDIUM_HOST as SGLANG_MEDIUM_HOST, digest_to_event_id, page_digests, salt_seed
 from .kv_cache import Block, KVCache, lora_int_id
 from .profiles import Profile
 from .records import EngineStats, Finished, FirstToken, HeldKV, SimRequest, StepResult
@@ -160,8 +161,12 @@ class EngineModel:
         self._rng = random.Random(seed)
         self.sampler = OutputSampler(seed, median_output)
         self._corpus = self.sampler.corpus
-        if event_hashes not in ("vllm", "index"):
-            raise ValueError(f"event_hashes must be 'vllm' or 'index', got {event_hashes!r}")
+        if event_hashes not in ("vllm", "index", "sglang"):
+            raise ValueError(f"event_hashes must be 'vllm', 'sglang' or 'index', got {event_hashes!r}")
+        # "sglang": SGLang's page ids (SHA-256 chain, signed int64) and its host medium name
+        self._sglang_ids = event_hashes == "sglang"
+        if self._sglang_ids:
+            self.kv.host_medium = SGLANG_MEDIUM_HOST
         # "vllm": events name blocks by vLLM's sha256 ids, as on the wire; "index": by the chained
         # xxhash the engine already keys its cache by, removals merged (the simulator's choice: a
         # subscriber re-hashes the events' token ids either way, sha256 per block dominates its run
@@ -176,7 +181,7 @@ class EngineModel:
         except ValueError:
             vllm_hash_fn(hash_algo)  # an unknown algo is an error; a missing seed is vLLM's random one
             seed_text = os.urandom(32).hex()
-        self._none_digest = vllm_none_hash(seed_text, hash_algo) if kv_events and not self._index_ids else None
+        self._none_digest = vllm_none_hash(seed_text, hash_algo) if kv_events and event_hashes == "vllm" else None
         self._waiting: deque[_Seq] = deque()
         self._prefilling: list[_Seq] = []
         self._decoding: list[_Seq] = []
@@ -687,6 +692,8 @@ class EngineModel:
             # as vLLM's BlockPool: one extra-keys entry per block (LoRA name, salt on block 0), group 0
             keys = ([vllm_extra_keys(a + off == 0, lora, salt) for off in range(b - a)] if lora or salt
                     else [None] * (b - a))
+            if self._sglang_ids and salt:  # SGLang names the salt on every event of a salted chain
+                keys = [(salt,)] * (b - a)
             if meta is None:  # index ids, no host tier: a block's id is its hash
                 events.append(BlockStored(
                     block_hashes=hashes_all[a:b], parent_block_hash=hashes_all[a - 1] if a else None,
@@ -703,10 +710,16 @@ class EngineModel:
                                     tuple(tokens[off * bs:(off + 1) * bs]) if keep_tokens else None, keys[off], lora)
                     hashes.append(h)
             else:
-                digests = vllm_block_digests(tokens, bs, parent=parent.vdigest if parent else self._none_digest,
-                                             algo=self.hash_algo, lora_name=lora, cache_salt=salt, first=a == 0)
+                if self._sglang_ids:  # a page chains from its parent page's digest (the root: none, or the salt's)
+                    digests = page_digests(tokens, bs, parent.vdigest if parent else salt_seed(salt))
+                else:
+                    digests = vllm_block_digests(tokens, bs, parent=parent.vdigest if parent else self._none_digest,
+                                                 algo=self.hash_algo, lora_name=lora, cache_salt=salt, first=a == 0)
                 for off, d in enumerate(digests):
-                    vh = digest_to_int(d) if self._int_ids else d
+                    if self._sglang_ids:
+                        vh = digest_to_event_id(d)
+                    else:
+                        vh = digest_to_int(d) if self._int_ids else d
                     meta[hashes_all[a + off]] = Block(vh, d, parent_vh if off == 0 else hashes[-1],
                                                       tuple(tokens[off * bs:(off + 1) * bs]) if keep_tokens else None,
                                                       keys[off], lora)

@@ -20,6 +20,7 @@ import re
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from itertools import count
 
 import zmq
@@ -52,7 +53,8 @@ def check_endpoint(endpoint: str) -> None:
 class KVEventPublisher:
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "",
                  buffer_steps: int = 10_000, hwm: int = 100_000, max_queue: int = 100_000, dp_rank: int = 0,
-                 context: zmq.Context | None = None):
+                 context: zmq.Context | None = None, encode: Callable[[float, list, int], bytes] = encode_batch):
+        """``encode``: the payload's wire shape (vLLM's by default; ``sglang_wire.encode_batch``)."""
         check_endpoint(endpoint)
         if replay_endpoint is not None:
             check_endpoint(replay_endpoint)
@@ -61,6 +63,7 @@ class KVEventPublisher:
         self.replay_endpoint = replay_endpoint
         self.topic = topic.encode()
         self.dp_rank = dp_rank
+        self._encode = encode
         self._hwm = hwm
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
@@ -139,7 +142,7 @@ class KVEventPublisher:
                     break
                 ts, events = item
                 try:
-                    payload = encode_batch(ts, events, self.dp_rank)
+                    payload = self._encode(ts, events, self.dp_rank)
                     seq = next(self._seq)
                     pub.send_multipart((self.topic, seq_bytes(seq), payload))
                     self._buffer.append((seq, payload))

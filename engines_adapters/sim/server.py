@@ -1,4 +1,5 @@
-"""``conductor sim-engine``: one simulated vLLM 0.33 engine on 127.0.0.1.
+"""``conductor sim-engine``: one simulated vLLM 0.33 (or, ``--flavor sglang``, SGLang 0.5.23) engine
+on 127.0.0.1.
 
 Wires the engine model, its asyncio driver, the OpenAI/vLLM HTTP API, the KV event publisher and
 the PD puller together. Prints one line ``sim-engine ready: http://HOST:PORT ...`` on stdout when
@@ -11,6 +12,7 @@ import asyncio
 import hashlib
 import hmac
 import ipaddress
+import json
 import logging
 import os
 import signal
@@ -30,26 +32,56 @@ from predictors.cli_args import (
 )
 from scheduler.hashing import VLLM_HASH_ALGOS
 
+from .. import sglang_wire
+from ..kv_wire import encode_batch
 from .api import OpenAIApi, ServerInfo
+from .bootstrap import MooncakePuller, RoomPuller, Rooms, bootstrap_routes, mooncake_routes
 from .driver import EngineDriver
 from .metrics import EngineMetrics
 from .model import ROLES, EngineModel
+from .mooncake_api import MooncakeApi
 from .pd import KVPuller, parse_peer
 from .profiles import load_profile, profile_names
 from .publisher import KVEventPublisher, check_endpoint, loopback_bind_address
+from .sglang_api import SGLangApi
+from .sglang_metrics import SGLangMetrics
 from .store_link import StoreLink
+
+FLAVORS = ("vllm", "sglang")
+DISAGGREGATION_MODES = {"null": "both", "prefill": "prefill", "decode": "decode"}
 
 log = logging.getLogger("conductor.sim_engine")
 
 
 def build_parser() -> Parser:
-    p = Parser(prog="conductor sim-engine", description="Run one simulated vLLM-compatible engine on loopback.")
-    p.add_argument("--role", required=True, choices=ROLES, help="prefill, decode, or both (colocated)")
+    p = Parser(prog="conductor sim-engine",
+               description="Run one simulated vLLM- or SGLang-compatible engine on loopback.")
+    p.add_argument("--role", choices=ROLES, help="prefill, decode, or both (colocated); required for vllm")
+    p.add_argument("--disaggregation-mode", choices=list(DISAGGREGATION_MODES),
+                   help="SGLang's name for --role (null = both)")
     p.add_argument("--port", required=True, type=port, help="TCP port (0 = pick a free one)")
     p.add_argument("--host", default="127.0.0.1", help="loopback address to bind (default 127.0.0.1)")
-    p.add_argument("--flavor", default="vllm", help="protocol flavour (only vllm is implemented)")
+    p.add_argument("--flavor", default="vllm", choices=FLAVORS,
+                   help="server surface, PD protocol, metric names and KV-event wire: vllm (0.33) or sglang (0.5.23)")
+    p.add_argument("--disaggregation-bootstrap-port", type=port, default=8998,
+                   help="sglang prefill: the bootstrap server's port (0 = pick a free one)")
+    p.add_argument("--disaggregation-waiting-timeout", type=positive_float, default=300.0,
+                   help="sglang decode: wall seconds to wait for the prefill's KV of a bootstrap room")
+    p.add_argument("--kv-connector", choices=["two-step", "mooncake"], default="two-step",
+                   help="vllm PD: the two-step kv_transfer_params round trip, or vLLM 0.33's MooncakeConnector "
+                        "(transfer ids, a bootstrap server on the prefill)")
+    p.add_argument("--mooncake-bootstrap-port", type=port,
+                   default=int(os.environ.get("VLLM_MOONCAKE_BOOTSTRAP_PORT", "8998")),
+                   help="--kv-connector mooncake prefill: the bootstrap server's port (default "
+                        "$VLLM_MOONCAKE_BOOTSTRAP_PORT or 8998; 0 = pick a free one)")
+    p.add_argument("--kv-transfer-timeout", type=positive_float, default=60.0,
+                   help="--kv-connector mooncake decode: wall seconds to wait for a transfer id's KV")
     p.add_argument("--profile", default="llama3-8b-h200", help=f"timing profile: {', '.join(profile_names())}")
-    p.add_argument("--served-model-name", help="model name to answer to (default: the profile's short name)")
+    p.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                   help="model names to answer to, the first in responses (default: the profile's short name)")
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters served, as vLLM's: each a model name of its own with its own prefix-cache "
+                        "namespace (the simulated adapter costs nothing extra)")
     p.add_argument("--time-scale", type=positive_float, default=1.0,
                    help="real seconds per modelled second (0.01 = 100x faster)")
     p.add_argument("--seed", type=int, default=0, help="seed for noise, output text and lengths")
@@ -57,7 +89,10 @@ def build_parser() -> Parser:
     p.add_argument("--kv-events", metavar="ENDPOINT", help="publish KV events over ZMQ (vLLM bind/connect rule)")
     p.add_argument("--kv-events-replay", metavar="ENDPOINT", help="ROUTER endpoint answering replay requests")
     p.add_argument("--kv-events-topic", default="", help="topic frame of KV event messages")
-    p.add_argument("--block-size", type=positive_int, default=16)
+    p.add_argument("--kv-events-config", metavar="JSON",
+                   help="vLLM/SGLang style: {\"publisher\": \"zmq\", \"endpoint\", \"replay_endpoint\", \"topic\"}")
+    p.add_argument("--block-size", "--page-size", dest="block_size", type=positive_int, default=16,
+                   help="tokens per KV block (SGLang: page); default 16")
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=8192)
     p.add_argument("--max-num-seqs", type=positive_int, default=256)
     p.add_argument("--max-model-len", type=positive_int, help="default: the profile's")
@@ -83,8 +118,16 @@ def build_parser() -> Parser:
 
 
 def _check(args: argparse.Namespace) -> None:
-    if args.flavor != "vllm":
-        raise CLIError(f"--flavor {args.flavor}: only 'vllm' is implemented")
+    mode = DISAGGREGATION_MODES.get(args.disaggregation_mode) if args.disaggregation_mode else None
+    if args.role is not None and mode is not None and args.role != mode:
+        raise CLIError(f"--role {args.role} contradicts --disaggregation-mode {args.disaggregation_mode}")
+    args.role = args.role or mode or ("both" if args.flavor == "sglang" else None)
+    if args.role is None:
+        raise CLIError("--role is required (prefill, decode or both)")
+    if args.kv_events_config is not None:
+        _kv_events_config(args)
+    if args.kv_connector == "mooncake" and args.flavor != "vllm":
+        raise CLIError("--kv-connector mooncake is vLLM's connector: use it with --flavor vllm")
     try:
         if not (args.host == "localhost" or ipaddress.ip_address(args.host).is_loopback):
             raise CLIError(f"--host {args.host}: the simulated engine binds only to loopback addresses")
@@ -108,8 +151,31 @@ def _check(args: argparse.Namespace) -> None:
             args.kv_peers = frozenset(parse_peer(x) for x in args.kv_peers.split(",") if x.strip())
         except ValueError as e:
             raise CLIError(f"--kv-peers: {e}") from None
+    loras = {}
+    for spec in args.lora_modules:
+        lname, eq, path = spec.partition("=")
+        if not eq or not lname or not path:
+            raise CLIError(f"--lora-modules: expected NAME=PATH, got {spec!r}")
+        loras[lname] = path
+    args.lora_modules = loras
     if args.max_num_batched_tokens < args.max_num_seqs:
         raise CLIError("--max-num-batched-tokens must be >= --max-num-seqs")
+
+
+def _kv_events_config(args: argparse.Namespace) -> None:
+    try:
+        cfg = json.loads(args.kv_events_config)
+    except ValueError as e:
+        raise CLIError(f"--kv-events-config is not JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise CLIError("--kv-events-config must be a JSON object")
+    if cfg.get("publisher", "zmq") not in ("zmq", "null") or cfg.get("enable_kv_cache_events") is False:
+        return
+    if cfg.get("publisher") == "null":
+        return
+    args.kv_events = args.kv_events or cfg.get("endpoint", "tcp://*:5557")
+    args.kv_events_replay = args.kv_events_replay or cfg.get("replay_endpoint")
+    args.kv_events_topic = args.kv_events_topic or cfg.get("topic", "")
 
 
 def api_key_middleware(key: str):
@@ -136,6 +202,7 @@ def _engine(args: argparse.Namespace) -> EngineModel:
             max_num_seqs=args.max_num_seqs, kv_capacity_tokens=args.kv_capacity_tokens,
             host_tier_tokens=args.host_tier_tokens, seed=args.seed, noise=args.noise,
             kv_events=bool(args.kv_events), kv_hold_timeout=args.kv_hold_timeout, store_writes=bool(args.kv_store),
+            event_hashes="sglang" if args.flavor == "sglang" else "vllm",
             median_output=args.median_output_tokens, max_model_len=args.max_model_len,
             hash_algo=args.prefix_caching_hash_algo,
             int_block_hashes=os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1") not in ("0", "false", "False"))
@@ -145,10 +212,8 @@ def _engine(args: argparse.Namespace) -> EngineModel:
 
 async def _serve(args: argparse.Namespace, engine: EngineModel, publisher: KVEventPublisher | None) -> int:
     loop = asyncio.get_running_loop()
-    name = args.served_model_name or engine.profile.served_name
-    metrics = EngineMetrics(engine, name)
-    driver = EngineDriver(engine, time_scale=args.time_scale, metrics=metrics, publisher=publisher)
-    puller = KVPuller(peers=args.kv_peers)
+    names = args.served_model_name or [engine.profile.served_name]
+    name = names[0]
     store = None
     if args.kv_store:
         store = StoreLink(args.kv_store, engine, engine.profile.model["name"], args.kv_store_recipe)
@@ -157,40 +222,107 @@ async def _serve(args: argparse.Namespace, engine: EngineModel, publisher: KVEve
                 await store.close()
                 raise CLIError(f"cannot reach the KV store at {args.kv_store}")
             log.warning("the KV store at %s does not answer; starting without it for now", args.kv_store)
-        driver.on_store_writes = store.write
     info = ServerInfo(host=args.host, port=args.port, role=args.role, served_name=name,
                       hf_name=engine.profile.model["name"], max_model_len=engine.max_model_len,
-                      engine_id=f"sim-{uuid.uuid4().hex[:12]}")
-    api = OpenAIApi(info, driver, metrics, puller, store)
+                      engine_id=f"sim-{uuid.uuid4().hex[:12]}", aliases=tuple(names[1:]),
+                      lora_modules=args.lora_modules)
+    runners: list[web.AppRunner] = []
+    extra = ""
+    if args.flavor == "sglang":
+        rooms = Rooms()
+        puller: KVPuller = (RoomPuller(args.block_size, args.disaggregation_waiting_timeout, peers=args.kv_peers)
+                            if args.role == "decode" else KVPuller(peers=args.kv_peers))
+        metrics = SGLangMetrics(engine, name, args.role,
+                                lambda: (len(rooms), puller.waiting if isinstance(puller, RoomPuller) else 0))
+        driver = EngineDriver(engine, time_scale=args.time_scale, metrics=metrics, publisher=publisher)  # type: ignore[arg-type]
+        api: OpenAIApi = SGLangApi(info, driver, metrics, puller, rooms=rooms, page_size=args.block_size,
+                                   bootstrap_port=args.disaggregation_bootstrap_port,
+                                   server_args=_server_args(args))
+        if args.role == "prefill":
+            boot = web.Application()
+            boot.add_routes(bootstrap_routes(rooms, page_size=args.block_size, host=args.host,
+                                             http_port=lambda: info.port, engine=engine, release_kv=driver.release_kv))
+            bport = await _listen(boot, args.host, args.disaggregation_bootstrap_port, runners, "bootstrap server")
+            api.bootstrap_port = bport  # type: ignore[attr-defined]
+            extra = f" bootstrap_port={bport}"
+    elif args.kv_connector == "mooncake":
+        metrics = EngineMetrics(engine, name)
+        driver = EngineDriver(engine, time_scale=args.time_scale, metrics=metrics, publisher=publisher)
+        rooms = Rooms()
+        puller = (MooncakePuller(args.kv_transfer_timeout, peers=args.kv_peers) if args.role == "decode"
+                  else KVPuller(peers=args.kv_peers))
+        api = MooncakeApi(info, driver, metrics, puller, rooms=rooms)
+        if args.role == "prefill":
+            boot = web.Application()
+            boot.add_routes(mooncake_routes(rooms, engine_id=info.engine_id, worker_addr=f"tcp://{args.host}:0",
+                                            engine=engine, release_kv=driver.release_kv))
+            bport = await _listen(boot, args.host, args.mooncake_bootstrap_port, runners, "bootstrap server")
+            extra = f" bootstrap_port={bport} engine_id={info.engine_id}"
+    else:
+        metrics = EngineMetrics(engine, name)
+        driver = EngineDriver(engine, time_scale=args.time_scale, metrics=metrics, publisher=publisher)
+        puller = KVPuller(peers=args.kv_peers)
+        api = OpenAIApi(info, driver, metrics, puller)
+    if store is not None:
+        driver.on_store_writes = store.write
+        api.store = store
     app = web.Application(client_max_size=256 * 1024 * 1024,
                           middlewares=[api_key_middleware(args.api_key)] if args.api_key else [])
     app.add_routes(api.routes())
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, args.host, args.port)
     try:
-        await site.start()
-    except OSError as e:
-        await runner.cleanup()
-        raise CLIError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
-    info.port = site._server.sockets[0].getsockname()[1]  # the real port when --port 0
+        info.port = await _listen(app, args.host, args.port, runners, "HTTP server")
+    except CLIError:
+        for r in runners:
+            await r.cleanup()
+        if store is not None:
+            await store.close()
+        raise
     stop = loop.create_future()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, lambda: stop.done() or stop.set_result(0))
     engine_task = loop.create_task(driver.run())
     engine_task.add_done_callback(lambda t: stop.done() or stop.set_result(1))
     print(f"sim-engine ready: http://{args.host}:{info.port} role={args.role} profile={args.profile} "
-          f"model={name} time_scale={args.time_scale}", flush=True)
+          f"model={name} time_scale={args.time_scale} flavor={args.flavor}{extra}", flush=True)
     code = await stop
     if engine_task.done() and not engine_task.cancelled() and engine_task.exception() is not None:
         log.error("engine loop failed", exc_info=engine_task.exception())
         sys.stderr.write(f"conductor sim-engine: engine loop failed: {engine_task.exception()!r}\n")
     engine_task.cancel()
-    await runner.cleanup()
+    for r in runners:
+        await r.cleanup()
     await puller.close()
     if store is not None:
         await store.close()
     return code
+
+
+async def _listen(app: web.Application, host: str, port_: int, runners: list[web.AppRunner], what: str) -> int:
+    """Serve ``app`` on host:port; the port actually bound (``0`` picks one)."""
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port_)
+    try:
+        await site.start()
+    except OSError as e:
+        await runner.cleanup()
+        raise CLIError(f"cannot listen on {host}:{port_} ({what}): {e.strerror or e}") from None
+    runners.append(runner)
+    return site._server.sockets[0].getsockname()[1]
+
+
+def _server_args(args: argparse.Namespace) -> dict:
+    """SGLang's /server_info starts with every resolved server argument."""
+    kv = None
+    if args.kv_events:
+        host, _, p = args.kv_events.rpartition(":")
+        kv = {"publisher": "zmq", "endpoint_host": host.split("://", 1)[-1], "endpoint_port_base": int(p),
+              "topic": args.kv_events_topic, "block_size": args.block_size, "dp_size": 1}
+        if args.kv_events_replay:
+            kv["replay_endpoint_port_base"] = int(args.kv_events_replay.rpartition(":")[2])
+    return {"host": args.host, "port": args.port, "skip_server_warmup": True, "enable_metrics": True,
+            "disaggregation_transfer_backend": "mooncake", "disaggregation_decode_allocation_policy": "early",
+            "random_seed": args.seed, "kv_events": kv}
 
 
 def main(argv: list[str]) -> int:
@@ -201,7 +333,8 @@ def main(argv: list[str]) -> int:
     engine = _engine(args)
     publisher = None
     if args.kv_events:
-        publisher = KVEventPublisher(args.kv_events, args.kv_events_replay, args.kv_events_topic)
+        publisher = KVEventPublisher(args.kv_events, args.kv_events_replay, args.kv_events_topic,
+                                     encode=sglang_wire.encode_batch if args.flavor == "sglang" else encode_batch)
         try:
             publisher.start()
         except RuntimeError as e:
