@@ -220,8 +220,9 @@ with seed 1), evaluated on the next {results[0]['eval']} (seed 0). Goodput ratio
 attainment: requests meeting both SLOs over requests sent, a refusal counting as a miss):
 
 {summary}
-"attainment 1.2x needs" = 1.2 x the best other policy's attainment; "ceiling" = 1 - the share of requests the oracle run refused as unreachable (over the TTFT SLO even on an idle
-instance, by the engine's own timing): what no policy can serve.
+"attainment 1.2x needs" = 1.2 x the best other policy's attainment; "ceiling" = 1 - the share
+of requests the oracle run refused as unreachable (over the TTFT SLO even on an idle instance, by
+the engine's own timing): what no policy can serve.
 "refused" = refused on arrival; "late" = admitted and missed the SLO; TTFT error = actual /
 predicted - 1 over completed requests (the run's own predictions, as served).
 
