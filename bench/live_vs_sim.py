@@ -29,7 +29,7 @@ import requests
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRACE = os.path.join(ROOT, "data", "traces", "mooncake_conversation_trace.jsonl")
-HEALTH_INTERVAL_S = 1.0  # the gateway's default poll period (wall seconds)
+HEALTH_INTERVAL_S = 1.0  # the gateway's poll period in these runs (wall seconds; set in its config)
 KV_EVENT_LAG_WALL_MS = 2.0  # engine publish -> hit index, as the gateway measures it (kv_events.lag_*)
 
 

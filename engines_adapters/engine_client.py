@@ -6,12 +6,43 @@ headers). Engine-family protocol (how a prefill/decode pair is driven) lives in
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
+import logging
+import time
 from typing import Any
 
 import aiohttp
 
 from engines_adapters.drivers import LoadSample, UpstreamHTTPError, UpstreamTimeout, UpstreamUnavailable, parse_metrics
+from engines_adapters.drivers.base import LocalResourceError
+
+log = logging.getLogger(__name__)
+
+#: errnos of a failed connect that are the gateway's own shortage, not the engine's fault
+LOCAL_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.EADDRNOTAVAIL})
+_last_local_log = [0.0]
+
+
+def local_os_error(e: BaseException) -> OSError | None:
+    """The local resource error (out of descriptors, ports, buffers) behind a failed connect, if any."""
+    seen = 0
+    cur: BaseException | None = e
+    while cur is not None and seen < 5:  # aiohttp wraps the OSError (os_error, __cause__)
+        inner = getattr(cur, "os_error", None)
+        for c in (cur, inner):
+            if isinstance(c, OSError) and c.errno in LOCAL_ERRNOS:
+                return c
+        cur, seen = cur.__cause__ or cur.__context__, seen + 1
+    return None
+
+
+def _log_local(engine_id: str, err: OSError) -> None:
+    now = time.monotonic()
+    if now - _last_local_log[0] >= 5.0:  # at most one line every 5 s under a storm
+        _last_local_log[0] = now
+        log.warning("cannot open a connection to engine %s: %s (the gateway's own limit; not counted "
+                    "against the engine)", engine_id, err.strerror or err)
 
 
 def _dumps(obj: Any) -> bytes:
@@ -47,19 +78,23 @@ class EngineClient:
     ``bootstrap_port``: where an SGLang prefill instance's bootstrap server listens."""
 
     def __init__(self, session: aiohttp.ClientSession, engine_id: str, url: str, *, flavor: str = "vllm",
-                 connect_timeout_s: float = 5.0, timeout_s: float = 600.0, api_key: str | None = None,
-                 bootstrap_port: int | None = None):
+                 connect_timeout_s: float = 5.0, timeout_s: float = 300.0, first_byte_timeout_s: float = 60.0,
+                 health_timeout_s: float = 2.0, api_key: str | None = None, bootstrap_port: int | None = None):
         self.session: Any = EngineSession(session, api_key)
         self.id, self.url, self.flavor = engine_id, url.rstrip("/"), flavor
         self.bootstrap_port = bootstrap_port  # an SGLang prefill's bootstrap server (None: SGLang's 8998)
         self.connect_timeout_s, self.timeout_s = connect_timeout_s, timeout_s
+        self.first_byte_timeout_s, self.health_timeout_s = first_byte_timeout_s, health_timeout_s
 
-    def _timeout(self, streaming: bool) -> aiohttp.ClientTimeout:
-        """A whole-answer limit for legs read at once; an idle limit for streams, which may
-        legitimately run longer than any total limit (long generations)."""
-        if streaming:
-            return aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s, sock_read=self.timeout_s)
-        return aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=self.connect_timeout_s)
+    def _timeout(self, streaming: bool | None) -> aiohttp.ClientTimeout:
+        """Answers read whole (a prefill leg) are the first byte: bounded by the first-byte limit.
+        A streamed answer's headers are its first byte (bounded in ``open``) and its body may run
+        longer than any total limit (the caller bounds the silence between chunks); a decode leg
+        not streamed sends everything at the end, bounded by the whole-answer limit."""
+        if streaming is None:
+            return aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s)
+        total = self.timeout_s if streaming else self.first_byte_timeout_s
+        return aiohttp.ClientTimeout(total=total, sock_connect=self.connect_timeout_s)
 
     async def post_json(self, path: str, body: Any, headers: dict[str, str]) -> bytes:
         """POST and read the whole answer; a non-200 answer raises UpstreamHTTPError."""
@@ -79,16 +114,23 @@ class EngineClient:
     async def open(self, path: str, body: dict[str, Any], headers: dict[str, str], *,
                    streaming: bool = True) -> aiohttp.ClientResponse:
         """Start a request and return the response once headers arrived (caller reads and closes it)."""
+        # a streamed answer's headers come before its first token: the first-byte limit bounds them
+        streamed = streaming and isinstance(body, dict) and bool(body.get("stream"))
+        request = self.session.request("POST", self.url + path, data=_dumps(body),
+                                       headers={**headers, "content-type": "application/json"},
+                                       timeout=self._timeout(None if streamed else streaming))
         try:
-            resp = await self.session.request(
-                "POST", self.url + path, data=_dumps(body),
-                headers={**headers, "content-type": "application/json"}, timeout=self._timeout(streaming))
-        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
-            # could not connect (a connect timeout is also a TimeoutError): another pair may work
-            raise UpstreamUnavailable(f"engine {self.id} unreachable: {e}", self.id) from None
-        except asyncio.TimeoutError:
-            raise UpstreamTimeout(f"engine {self.id} timed out", self.id) from None
-        except aiohttp.ClientError as e:
+            async with asyncio.timeout(self.first_byte_timeout_s if streamed else None):
+                resp = await request
+        except (aiohttp.ClientError, OSError) as e:  # TimeoutError is an OSError
+            local = local_os_error(e)
+            if local is not None:
+                _log_local(self.id, local)
+                raise LocalResourceError(f"gateway cannot open a connection: {local.strerror or local}",
+                                         self.id) from None
+            if isinstance(e, asyncio.TimeoutError) and not isinstance(e, aiohttp.ConnectionTimeoutError):
+                raise UpstreamTimeout(f"engine {self.id} timed out", self.id) from None
+            # could not connect (a connect timeout included), or the connection broke: another pair may work
             raise UpstreamUnavailable(f"engine {self.id} unreachable: {e}", self.id) from None
         return resp
 
@@ -103,30 +145,39 @@ class EngineClient:
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
             raise UpstreamUnavailable(f"engine {self.id}: {url} unreachable: {e}", self.id) from None
 
-    async def health(self, timeout_s: float = 2.0) -> bool:
+    async def health(self, timeout_s: float | None = None) -> bool | None:
+        """True when the engine answered 200 in time; False when it did not; None when the gateway
+        could not even try (out of descriptors or ports): no evidence against the engine."""
         try:
-            async with self.session.get(self.url + "/health", timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+            async with self.session.get(self.url + "/health",
+                                        timeout=aiohttp.ClientTimeout(total=timeout_s or self.health_timeout_s)) as r:
                 return r.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            local = local_os_error(e)
+            if local is not None:
+                _log_local(self.id, local)
+                return None
             return False
 
-    async def load(self, timeout_s: float = 2.0) -> LoadSample | None:
+    async def load(self, timeout_s: float | None = None) -> LoadSample | None:
         try:
-            async with self.session.get(self.url + "/metrics", timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+            async with self.session.get(self.url + "/metrics",
+                                        timeout=aiohttp.ClientTimeout(total=timeout_s or self.health_timeout_s)) as r:
                 if r.status != 200:
                     return None
                 return parse_metrics(self.flavor, await r.text())
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
             return None
 
-    async def models(self, timeout_s: float = 2.0) -> list[str]:
+    async def models(self, timeout_s: float | None = None) -> list[str]:
         return [m["id"] for m in await self.model_cards(timeout_s)]
 
-    async def model_cards(self, timeout_s: float = 2.0) -> list[dict[str, Any]]:
+    async def model_cards(self, timeout_s: float | None = None) -> list[dict[str, Any]]:
         """``/v1/models`` entries with an ``id`` (vLLM lists LoRA adapters there too, each with a
         ``parent``: the base model it applies to)."""
         try:
-            async with self.session.get(self.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+            async with self.session.get(self.url + "/v1/models",
+                                        timeout=aiohttp.ClientTimeout(total=timeout_s or self.health_timeout_s)) as r:
                 data = await r.json()
             return [m for m in data.get("data", []) if isinstance(m, dict) and isinstance(m.get("id"), str)]
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError, AttributeError):

@@ -124,12 +124,18 @@ class KVEventSubscriber:
     def open(self) -> None:
         """Bind or connect the SUB socket now, so an engine that connects later finds it."""
         sub = self.ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.SUBSCRIBE, self.topic)
-        sub.setsockopt(zmq.LINGER, 0)
-        if publisher_binds(self.endpoint):
-            sub.connect(subscriber_address(self.endpoint, self.engine_url))
-        else:
-            sub.bind(self.endpoint)
+        try:
+            sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+            sub.setsockopt(zmq.LINGER, 0)
+            if publisher_binds(self.endpoint):
+                sub.connect(subscriber_address(self.endpoint, self.engine_url))
+            else:
+                sub.bind(self.endpoint)
+        except BaseException:
+            sub.close(0)  # never leak a socket: one left open keeps the context (and process) alive
+            raise
+        if not publisher_binds(self.endpoint) and self.endpoint.endswith(":0"):  # the port the OS chose
+            self.endpoint = sub.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._sub = sub
 
     def resync(self) -> None:
@@ -219,13 +225,13 @@ class KVEventSubscriber:
             return None
         self.stats.replays += 1
         dealer = self.ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
         addr = self.replay_endpoint
-        dealer.connect(subscriber_address(addr, self.engine_url) if publisher_binds(addr) else addr)
         out: list[tuple[int, bytes]] = []
         # asyncio.timeout, not wait_for: on Python 3.11 wait_for drops a cancellation that arrives
         # as the answer does, and this task then outlives the gateway's shutdown (issue 8, step 4)
         try:
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.connect(subscriber_address(addr, self.engine_url) if publisher_binds(addr) else addr)
             async with asyncio.timeout(self.replay_timeout_s):
                 await dealer.send_multipart([b"", struct.pack(">Q", start)])
             for _ in range(1_000_000):  # bounded: an engine buffers far fewer batches

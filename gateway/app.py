@@ -35,7 +35,7 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        embedded = None
+        embedded = cluster = None
         engines = list(cfg.engines)
         telemetry = TelemetryWriter(cfg.telemetry_path)
         provider = make_tracer_provider(cfg.otel_exporter, cfg.otel_endpoint)
@@ -62,10 +62,11 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
             log.info("cluster: %s; ready=%s", ", ".join(f"{e.id}({e.role}) {e.url}" for e in engines), cluster.ready())
             yield
         finally:
-            if "cluster" in state:
-                await state["cluster"].stop()
+            # bounded: a hung engine or a stuck socket never holds the shutdown (serve's deadline)
+            if cluster is not None:
+                await cluster.stop(timeout_s=cfg.shutdown_timeout_s / 4)
             if embedded is not None:
-                embedded.stop()
+                embedded.stop(timeout_s=cfg.shutdown_timeout_s / 4)
             telemetry.close()
             if provider is not None:
                 provider.shutdown()

@@ -6,11 +6,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import aiohttp
+import zmq
 import zmq.asyncio
 
-from engines_adapters.drivers import Pair, PairDriver, flavor
+from engines_adapters.drivers import Pair, PairDriver, UpstreamUnavailable, flavor
 from engines_adapters.engine_client import EngineClient
 from engines_adapters.kv_events import KVEventSubscriber
 from gateway.config import EngineConfig, GatewayConfig
@@ -21,6 +24,9 @@ from predictors.learned import learned_predictors
 from scheduler import Instance, Scheduler
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+#: how often a healthy engine's served models are asked again (they rarely change)
+MODELS_EVERY_S = 1.0
 
 def build_scheduler(cfg: GatewayConfig, engines: list[EngineConfig]) -> Scheduler:
     """The scheduler for these engines, predicting from their public deployments and the
@@ -58,35 +64,73 @@ class Cluster:
         self._zmq = zmq.asyncio.Context()
         self._tasks: list[asyncio.Task] = []
         self._sub_tasks: dict[str, asyncio.Task] = {}
+        # work in progress on each engine that its ejection ends: waiters of requests before their
+        # first byte, and abort callbacks of forwarded responses
+        self._eject_waiters: dict[str, set[asyncio.Future]] = {e.id: set() for e in engines}
+        self._open: dict[str, dict[object, Callable[[str], None]]] = {e.id: {} for e in engines}
+        self._models_at: dict[str, float] = {}
+        self._served: dict[str, list[dict]] = {}  # each engine's /v1/models entries, last known
         self.store_tier: StoreTier | None = None
 
     async def start(self) -> None:
-        conn = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
+        """Open the engines' clients, the KV-event subscribers, the first health poll; a failure
+        part-way undoes what was opened (sockets, session) and raises."""
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _start(self) -> None:
+        # engine connections in use at once: one per request in progress, and each engine's probes
+        # (the descriptors netguard keeps for them); 0 (no limit) when the requests are not bounded
+        limit = self.cfg.max_concurrent_requests + 4 * len(self.engines) if self.cfg.max_concurrent_requests else 0
+        conn = aiohttp.TCPConnector(limit=limit, ttl_dns_cache=300, keepalive_timeout=30)
         self.session = aiohttp.ClientSession(connector=conn, auto_decompress=False)
         for e in self.engines.values():
             fl = flavor(e.flavor)
             self.clients[e.id] = EngineClient(self.session, e.id, e.url, flavor=fl.name,
                                               api_key=e.api_key or self.cfg.auth.engine_api_key,
                                               connect_timeout_s=self.cfg.upstream_connect_timeout_s,
-                                              timeout_s=self.cfg.upstream_timeout_s, bootstrap_port=e.bootstrap_port)
+                                              timeout_s=self.cfg.upstream_timeout_s,
+                                              first_byte_timeout_s=self.cfg.upstream_first_byte_timeout_s,
+                                              health_timeout_s=self.cfg.health_timeout_s,
+                                              bootstrap_port=e.bootstrap_port)
             self.drivers[e.id] = fl.driver
-            if e.kv_events:
-                self._subscribe(e)
+        self.open_kv_events()
+        self._subscribe_all()
         if self.cfg.store is not None:
             st = self.cfg.store
             self.store_tier = StoreTier(st, self.cfg.block_size, st.model or "")
             if not await self.store_tier.start():
                 log.warning("store %s does not answer yet: its tier stays off until it does", st.url)
         await self.poll_once()
-        self._tasks.append(asyncio.create_task(self._poll_forever(), name="health-poll"))
+        for eid in self.clients:  # one loop per engine: a hung engine never delays another's checks
+            self._tasks.append(asyncio.create_task(self._watch(eid), name=f"health-{eid}"))
+        self._tasks.append(asyncio.create_task(self._side_checks(), name="side-checks"))
 
-    def _subscribe(self, e: EngineConfig) -> None:
-        sub = KVEventSubscriber(self._zmq, e.id, e.kv_events, self.scheduler.index, engine_url=e.url,
-                                replay_endpoint=e.kv_events_replay,
-                                decode=flavor(e.flavor).decode_kv_batch)
-        sub.open()
-        self.subscribers[e.id] = sub
-        self._sub_tasks[e.id] = asyncio.create_task(self._keep_subscribed(sub), name=f"kv-events-{e.id}")
+    def open_kv_events(self) -> None:
+        """Bind (or connect) every engine's KV-event socket, once. Called before engines start,
+        an endpoint with port 0 gets a port from the OS, written back into the engine's config:
+        no other socket can take it between choosing and binding (an engine's PUB connecting
+        early can even connect to itself on a port not yet bound)."""
+        for e in self.engines.values():
+            if e.kv_events and e.id not in self.subscribers:
+                sub = KVEventSubscriber(self._zmq, e.id, e.kv_events, self.scheduler.index, engine_url=e.url,
+                                        replay_endpoint=e.kv_events_replay,
+                                        decode=flavor(e.flavor).decode_kv_batch)
+                try:
+                    sub.open()
+                except zmq.ZMQError as err:
+                    raise RuntimeError(f"cannot bind the KV-event socket {e.kv_events} of engine {e.id}: "
+                                       f"{err.strerror}") from None
+                e.kv_events = sub.endpoint
+                self.subscribers[e.id] = sub
+
+    def _subscribe_all(self) -> None:
+        for eid, sub in self.subscribers.items():
+            if eid not in self._sub_tasks:
+                self._sub_tasks[eid] = asyncio.create_task(self._keep_subscribed(sub), name=f"kv-events-{eid}")
 
     async def _keep_subscribed(self, sub: KVEventSubscriber) -> None:
         """A subscriber that fails (a socket error, a bug) is logged and restarted with backoff,
@@ -115,47 +159,88 @@ class Cluster:
             task.cancel()
             task.add_done_callback(lambda _t: sub.close())
 
-    async def stop(self) -> None:
+    async def stop(self, timeout_s: float = 3.0) -> None:
+        """Stop within ``timeout_s`` whatever the engines and tasks do: nothing here may wait on
+        an engine (a hung one never answers) or on a task that ignores its cancellation."""
+        deadline = time.monotonic() + timeout_s
         tasks = self._tasks + list(self._sub_tasks.values())
-        pending = set(tasks)
-        while pending:  # cancel again until done: a cancellation can be lost (asyncio.wait_for on 3.11)
+        pending = {t for t in tasks if not t.done()}
+        # cancel again until done (a cancellation can be lost: asyncio.wait_for on 3.11), up to half the time
+        while pending and time.monotonic() < deadline - timeout_s / 2:
             for t in pending:
                 t.cancel()
-            _, pending = await asyncio.wait(pending, timeout=1.0)
-        await asyncio.gather(*tasks, return_exceptions=True)
+            _, pending = await asyncio.wait(pending, timeout=0.25)
+        if pending:
+            log.warning("shutdown: %d background task(s) did not stop: %s", len(pending),
+                        ", ".join(sorted(t.get_name() for t in pending)))
         self._tasks.clear()
         self._sub_tasks.clear()
         if self.session is not None:
-            await self.session.close()
+            # closing waits for every connection's transport to close; one stuck (a peer that stopped
+            # reading) would hold the shutdown forever: bounded, and the rest is the process exit's
+            try:
+                async with asyncio.timeout(max(0.1, deadline - time.monotonic())):
+                    await self.session.close()
+            except TimeoutError:
+                log.warning("shutdown: engine connections did not close in time")
+            self.session = None
         if self.store_tier is not None:
-            await self.store_tier.stop()
-        self._zmq.term()
+            try:
+                async with asyncio.timeout(max(0.1, deadline - time.monotonic())):
+                    await self.store_tier.stop()
+            except TimeoutError:
+                log.warning("shutdown: the store tier did not stop in time")
+            self.store_tier = None
+        for sub in self.subscribers.values():
+            sub.close()
+        # destroy, not term: term blocks until every socket is closed, and one left open (a
+        # subscriber's socket leaked by a failed bind or connect) would hold the process forever
+        if not self._zmq.closed:
+            self._zmq.destroy(linger=0)
 
-    async def _poll_forever(self) -> None:
+    async def _watch(self, eid: str) -> None:
+        """Probe one engine every ``health_interval_s``; a probe that took longer (a timeout) is
+        followed at once, so a hung engine is ejected after ``eject_after_failures`` timeouts."""
+        interval = self.cfg.health_interval_s
+        while True:
+            started = time.monotonic()
+            try:
+                self._learn_models({eid: await self._poll(eid)})
+            except Exception:  # polling must outlive any one bad answer
+                log.exception("health poll of %s failed", eid)
+            await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+
+    async def _side_checks(self) -> None:
+        """Every health interval, beside the engines' own probes: the shared store's health, and
+        learned predictors' models.json (a recalibrated one is picked up)."""
+        reload_models = getattr(self.scheduler.predictors, "reload_if_changed", None)
         while True:
             await asyncio.sleep(self.cfg.health_interval_s)
             try:
-                await self.poll_once()
-            except Exception:  # polling must outlive any one bad answer
-                log.exception("health poll failed")
-            reload_models = getattr(self.scheduler.predictors, "reload_if_changed", None)
-            if reload_models is not None:  # learned predictors: a recalibrated models.json is picked up
-                reload_models()
+                if self.store_tier is not None:
+                    await self.store_tier.check()
+                if reload_models is not None:
+                    reload_models()
+            except Exception:  # checking must outlive any one bad answer
+                log.exception("store check or predictor reload failed")
 
     async def poll_once(self) -> None:
         ids = list(self.clients)
-        results = await asyncio.gather(*(self._poll(i) for i in ids))
+        self._learn_models(dict(zip(ids, await asyncio.gather(*(self._poll(i) for i in ids)), strict=True)))
         if self.store_tier is not None:
             await self.store_tier.check()
-        models: set[str] = set()
-        adapters: set[str] = set()
-        for eid, cards in zip(ids, results, strict=True):
-            cards = self._routed_cards(eid, cards)
-            models.update(m["id"] for m in cards)
-            adapters.update(m["id"] for m in cards if m.get("parent") and m.get("parent") != m["id"])
-        if models:
-            self.models = sorted(models)
-            self.adapters = adapters
+
+    def _learn_models(self, answers: dict[str, list[dict] | None]) -> None:
+        """The served models and LoRA adapters: the union of each engine's last /v1/models list
+        (what the gateway routes to it: ``_routed_cards``)."""
+        fresh = {eid: self._routed_cards(eid, cards) for eid, cards in answers.items() if cards}
+        if not fresh:
+            return
+        self._served.update(fresh)
+        cards = [m for ms in self._served.values() for m in ms]
+        if cards:
+            self.models = sorted({m["id"] for m in cards})
+            self.adapters = {m["id"] for m in cards if m.get("parent") and m.get("parent") != m["id"]}
 
     def _routed_cards(self, eid: str, cards: list[dict]) -> list[dict]:
         """The engine's model cards the gateway routes to it (all, or those its config names);
@@ -170,9 +255,16 @@ class Cluster:
         self.scheduler.set_models(eid, [m["id"] for m in cards])
         return cards
 
-    async def _poll(self, eid: str) -> list[dict]:
+    async def _poll(self, eid: str) -> list[dict] | None:
+        """One probe of ``eid``; returns its /v1/models entries when they were asked for and given."""
         client = self.clients[eid]
-        ok = await client.health()
+        now = time.monotonic()
+        want_models = now - self._models_at.get(eid, -MODELS_EVERY_S) >= MODELS_EVERY_S
+        # health, load and models at once: a probe lasts at most one timeout, not three
+        ok, load, served = await asyncio.gather(
+            client.health(), client.load(), client.model_cards() if want_models else _none())
+        if ok is None:  # the gateway could not even try (out of descriptors): no evidence either way
+            return None
         if ok:
             if self.failures[eid] and eid in self.subscribers:
                 # back after an outage, however short: it may have restarted with an empty cache
@@ -182,17 +274,59 @@ class Cluster:
             if not self.healthy[eid]:
                 log.info("instance %s is healthy: admitted", eid)
                 self.set_healthy(eid, True)
-            load = await client.load()
             if load is not None:
                 self.scheduler.observe_load(eid, running=load.running, waiting=load.waiting, kv_usage=load.kv_usage)
                 if load.kv_capacity_tokens and self.engines[eid].kv_capacity_tokens is None:
                     self.scheduler.set_capacity(eid, kv_capacity_tokens=load.kv_capacity_tokens)  # the engine's own
-            return await client.model_cards()
+            if served:
+                self._models_at[eid] = now
+            return served
         self.failures[eid] += 1
         if self.healthy[eid] and self.failures[eid] >= self.cfg.eject_after_failures:
-            log.warning("instance %s failed %d health checks: ejected", eid, self.failures[eid])
+            log.warning("instance %s failed %d health checks: ejected, its requests in progress ended",
+                        eid, self.failures[eid])
             self.set_healthy(eid, False)
-        return []
+            self._end_work_on(eid, f"engine {eid} stopped answering health checks (ejected)")
+        return None
+
+    def _end_work_on(self, eid: str, reason: str) -> None:
+        """An engine found hung: requests waiting for its first byte are retried elsewhere, and
+        its forwarded responses end with an error (their reservations are released)."""
+        for w in self._eject_waiters[eid]:
+            if not w.done():
+                w.set_result((eid, reason))
+        for abort in list(self._open[eid].values()):
+            abort(reason)
+
+    async def until_ejected(self, work: Awaitable[T], engines: tuple[str, ...]) -> T:
+        """``work`` (opening a pair, up to its first byte), ended early when one of ``engines`` is
+        ejected as hung: UpstreamUnavailable naming it, so the request may go to another pair."""
+        waiter = asyncio.get_running_loop().create_future()
+        task = asyncio.ensure_future(work)
+        for eid in engines:
+            self._eject_waiters[eid].add(waiter)
+        try:
+            await asyncio.wait((task, waiter), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()
+            task.add_done_callback(_close_result)  # an answer that arrives anyway is closed, not leaked
+            raise
+        finally:
+            for eid in engines:
+                self._eject_waiters[eid].discard(waiter)
+        if task.done():
+            return task.result()
+        task.cancel()
+        task.add_done_callback(_close_result)
+        eid, reason = waiter.result()
+        raise UpstreamUnavailable(reason, eid)
+
+    def track(self, eid: str, key: object, abort: Callable[[str], None]) -> None:
+        """A response being forwarded from ``eid``: ``abort(reason)`` ends it if ``eid`` is found hung."""
+        self._open[eid][key] = abort
+
+    def untrack(self, eid: str, key: object) -> None:
+        self._open[eid].pop(key, None)
 
     def set_healthy(self, eid: str, healthy: bool) -> None:
         self.healthy[eid] = healthy
@@ -202,10 +336,11 @@ class Cluster:
         """The driver and clients for a placement (a pair never mixes flavours: the prefill's drives)."""
         return self.drivers[prefill], Pair(self.clients[prefill], self.clients[decode])
 
-    def report_failure(self, eid: str) -> None:
-        """A request could not reach the engine: count it like a failed health check."""
+    def report_failure(self, eid: str, why: str = "failed requests") -> None:
+        """A request could not reach the engine, or it timed out: count it like a failed health check."""
         self.failures[eid] += 1
         if self.healthy[eid] and self.failures[eid] >= self.cfg.eject_after_failures:
+            log.warning("instance %s: %d consecutive failures (%s): ejected", eid, self.failures[eid], why)
             self.set_healthy(eid, False)
 
     def ready(self) -> bool:
@@ -229,3 +364,14 @@ class Cluster:
                 if sub is not None:
                     inst["kv_events"] = vars(sub.stats).copy()
         return snap
+
+
+async def _none() -> None:
+    return None
+
+
+def _close_result(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is None:
+        close = getattr(task.result(), "close", None)
+        if close is not None:
+            close()

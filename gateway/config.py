@@ -96,10 +96,23 @@ class GatewayConfig:
     embedded: EmbeddedConfig | None = field(default_factory=EmbeddedConfig)
     max_body_bytes: int = 8 * 1024 * 1024
     upstream_connect_timeout_s: float = 5.0
-    upstream_timeout_s: float = 600.0  # whole request; 504 when exceeded before the first byte
+    # an engine's first byte: the prefill leg's whole answer, a streamed decode leg's headers
+    # (exceeded: retried on another pair once, counted toward ejection, else 504)
+    upstream_first_byte_timeout_s: float = 60.0
+    upstream_stall_timeout_s: float = 30.0  # a stream silent this long mid-way: SSE error, released
+    upstream_timeout_s: float = 300.0  # a whole non-streamed answer
     default_max_tokens: int = 256
-    health_interval_s: float = 1.0
-    eject_after_failures: int = 3
+    health_interval_s: float = 0.5
+    health_timeout_s: float = 0.8  # a probe not answered in this long failed (a hung engine)
+    eject_after_failures: int = 2
+    # client connections (gateway/netguard.py): 0 = derived from the open-file limit
+    max_connections: int = 0
+    max_concurrent_requests: int = 0  # /v1 requests in progress; beyond: 503 + Retry-After; 0 = max_connections
+    header_timeout_s: float = 10.0  # request line + headers must arrive within this (else 408 / close)
+    body_timeout_s: float = 30.0  # the body must arrive within this after the headers (else 408)
+    keepalive_timeout_s: float = 5.0  # an idle keep-alive connection is closed after this
+    max_header_bytes: int = 65536  # request line + headers larger than this: 431 and close
+    shutdown_timeout_s: float = 8.0  # SIGTERM: in-flight streams get most of it, then everything stops
     telemetry_path: str | None = None
     otel_exporter: str = "none"  # none | console | otlp
     otel_endpoint: str | None = None
@@ -272,6 +285,7 @@ def validate(cfg: GatewayConfig) -> None:
         raise ConfigError("tokenizer 'hf' needs tokenizer_path (a Hugging Face tokenizer directory)")
     if cfg.block_size <= 0 or cfg.max_body_bytes <= 0 or cfg.default_max_tokens <= 0:
         raise ConfigError("block_size, max_body_bytes and default_max_tokens must be positive")
+    _check_network(cfg)
     if cfg.otel_exporter not in ("none", "console", "otlp"):
         raise ConfigError(f"otel_exporter must be none, console or otlp, got {cfg.otel_exporter!r}")
     if not isinstance(cfg.priority_headroom, dict):
@@ -288,6 +302,20 @@ def validate(cfg: GatewayConfig) -> None:
     cpt = cfg.prompt_chars_per_token
     if cpt is not None and (isinstance(cpt, bool) or not isinstance(cpt, (int, float)) or not cpt >= 1):
         raise ConfigError(f"prompt_chars_per_token must be a number >= 1, got {cpt!r}")
+
+
+def _check_network(cfg: GatewayConfig) -> None:
+    for name in ("upstream_connect_timeout_s", "upstream_first_byte_timeout_s", "upstream_stall_timeout_s",
+                 "upstream_timeout_s", "health_interval_s", "health_timeout_s", "header_timeout_s",
+                 "body_timeout_s", "keepalive_timeout_s", "shutdown_timeout_s"):
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            raise ConfigError(f"{name} must be a positive number of seconds, got {v!r}")
+    for name, least in (("max_connections", 0), ("max_concurrent_requests", 0), ("max_header_bytes", 1),
+                        ("eject_after_failures", 1)):
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < least:
+            raise ConfigError(f"{name} must be an integer >= {least}, got {v!r}")
 
 
 def check_protocol_pairs(engines: list[EngineConfig]) -> None:

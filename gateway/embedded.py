@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -39,6 +40,19 @@ def sim_flavor_args(protocol: str) -> list[str]:
             "vllm-mooncake": ["--flavor", "vllm", "--kv-connector", "mooncake"]}[protocol]
 
 
+#: every embedded process alive, for a gateway that must end at once (its shutdown overran)
+_LIVE: set[subprocess.Popen] = set()
+
+
+def kill_all() -> None:
+    """SIGKILL every embedded engine still alive (a stopped one too: SIGTERM would wait for SIGCONT)."""
+    for p in list(_LIVE):
+        try:
+            p.kill()
+        except OSError:
+            pass
+
+
 class EmbeddedCluster:
     def __init__(self, cfg: EmbeddedConfig):
         self.cfg = cfg
@@ -53,6 +67,7 @@ class EmbeddedCluster:
                 "--kv-events", f"tcp://127.0.0.1:{events}", "--dram-gb", str(self.cfg.store_gb),
                 "--nodes", str(max(1, self.cfg.prefill + self.cfg.both)), "--time-scale", str(self.cfg.time_scale)]
         self.procs.append(subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent))
+        _LIVE.add(self.procs[-1])
         self._store_proc = self.procs[-1]
         return StoreConfig(url=f"http://127.0.0.1:{port}", kv_events=f"tcp://127.0.0.1:{events}",
                            model=load_profile(self.cfg.profile).model["name"], hash_seed=env["PYTHONHASHSEED"],
@@ -89,6 +104,7 @@ class EmbeddedCluster:
             if self.store is not None and role != "decode":  # optional: the engine starts before the store answers
                 args += ["--kv-store", self.store.url, "--kv-store-optional", "--kv-store-recipe", self._store_recipe()]
             self.procs.append(subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent))
+            _LIVE.add(self.procs[-1])
             self.engines.append(EngineConfig(id=eid, role=role, url=f"http://127.0.0.1:{port}", kind="sim",
                                              kv_events=f"tcp://127.0.0.1:{kv}",
                                              kv_events_replay=f"tcp://127.0.0.1:{replay}",
@@ -127,14 +143,20 @@ class EmbeddedCluster:
             e.bootstrap_port = port
         return e.bootstrap_port is not None
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 2.0) -> None:
+        """Stop every process within ``timeout_s``: SIGTERM (and SIGCONT, so a stopped one hears
+        it), then SIGKILL whatever is still there at the deadline."""
         for p in self.procs:
             if p.poll() is None:
                 p.terminate()
+                p.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + timeout_s
         for p in self.procs:
             try:
-                p.wait(timeout=5)
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 p.kill()
-                p.wait()
+        for p in self.procs:
+            p.wait()
+            _LIVE.discard(p)
         self.procs.clear()

@@ -24,6 +24,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from engines_adapters.drivers import DecodeResponse, PairRequest, UpstreamError, UpstreamHTTPError, UpstreamTimeout
+from engines_adapters.drivers.base import LocalResourceError
 from gateway.auth import SCOPE_KEY
 from gateway.cluster import Cluster
 from gateway.config import GatewayConfig
@@ -52,6 +53,10 @@ PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
 class ClientGone(Exception):
     """The client disconnected before the gateway had a response for it."""
+
+
+class ServerStopping(Exception):
+    """The server's graceful period ended before the gateway had a response for the client."""
 
 
 class ReservationGuard:
@@ -176,6 +181,11 @@ class Proxy:
             except ClientGone:
                 lc.finish("aborted", 499)
                 return Response(status_code=499)  # nobody is left to read it
+            except ServerStopping:
+                lc.finish("error", 503, error="shutting_down")
+                return error_response(503, "the gateway is shutting down; retry elsewhere or later",
+                                      "shutting_down", headers={"x-request-id": self._echo_id(rec),
+                                                                "retry-after": "1"})
 
     def _arrive(self, client_rid: str | None, endpoint: str) -> RequestLifecycle:
         arrival = time.monotonic()
@@ -198,7 +208,8 @@ class Proxy:
     async def _watching(self, request: Request, work: Awaitable[Response]) -> Response:
         """Run ``work`` (up to the response) while watching for the client leaving. uvicorn does
         not cancel a handler on disconnect: without this, a departed client's prefill leg and
-        non-streamed decode would run on, holding their reservation. Raises ClientGone then."""
+        non-streamed decode would run on, holding their reservation. Raises ClientGone then, or
+        ServerStopping when the cancellation is the server's (its graceful period is over)."""
         main = asyncio.current_task()
         assert main is not None
         state = {"active": True, "gone": False}
@@ -218,10 +229,10 @@ class Proxy:
             return result
         except asyncio.CancelledError:
             state["active"] = False
-            if not state["gone"]:
-                raise
             main.uncancel()
-            raise ClientGone() from None
+            # not the client leaving: the server stopping (uvicorn cancels what outlives its
+            # graceful period): a 503 the client can act on, not a bare 500
+            raise (ClientGone() if state["gone"] else ServerStopping()) from None
         finally:
             state["active"] = False
             watcher.cancel()
@@ -242,20 +253,25 @@ class Proxy:
     async def _place_and_drive(self, req: ParsedRequest, facts: RequestFacts, guard: ReservationGuard) -> Response:
         lc = guard.lc
         leg = PairRequest(facts.request_id, PATHS[req.endpoint], req.body, {"x-request-id": facts.request_id})
+        failed: UpstreamError | None = None
         for attempt in range(2):  # one retry on another pair, only before any byte reached the client
             t0 = time.perf_counter()
             d = lc.decide(facts)
             self.metrics.decide.observe(time.perf_counter() - t0)
             if isinstance(d, Rejection):
+                if failed is not None:  # no other pair for the retry: the client hears what failed
+                    return self._upstream_failure(failed, lc)
                 return self._rejected(d, lc.record)
             driver, pair = self.cluster.pair(d.prefill, d.decode)
-            try:
-                resp = await driver.open(pair, leg, lc)
+            try:  # an engine found hung meanwhile ends the wait at once (retried like a failure)
+                resp = await self.cluster.until_ejected(driver.open(pair, leg, lc), (d.prefill, d.decode))
             except UpstreamError as e:
-                if e.retryable and e.engine:
-                    self.cluster.report_failure(e.engine)
+                if e.retryable and e.engine and not isinstance(e, LocalResourceError):
+                    self.cluster.report_failure(e.engine, "timeouts" if isinstance(e, UpstreamTimeout)
+                                                else "failed requests")
                     if attempt == 0:
                         lc.retry(e.engine)
+                        failed = e
                         continue
                 return self._upstream_failure(e, lc)
             rec = lc.record
@@ -265,14 +281,22 @@ class Proxy:
             if rec.cached_tokens is not None:  # what the prefill instance itself found in its cache
                 headers["x-conductor-prefill-cached-tokens"] = str(rec.cached_tokens)
             if req.stream:
-                done = functools.partial(self._stream_done, lc)
-                return guard.hand_off(UpstreamStream(resp, headers, done, idle_timeout_s=self.cfg.upstream_timeout_s))
-            return await self._whole(resp, headers, lc)
+                done = functools.partial(self._stream_done, lc, d.decode, resp)
+                stream = UpstreamStream(resp, headers, done, idle_timeout_s=self.cfg.upstream_stall_timeout_s)
+                self.cluster.track(d.decode, resp, stream.abort)
+                return guard.hand_off(stream)
+            self.cluster.track(d.decode, resp, lambda _reason, r=resp: r.close())
+            try:
+                return await self._whole(resp, headers, lc)
+            finally:
+                self.cluster.untrack(d.decode, resp)
         raise AssertionError("unreachable")
 
-    @staticmethod
-    def _stream_done(lc: RequestLifecycle, tally: StreamTally) -> None:
+    def _stream_done(self, lc: RequestLifecycle, decode: str, resp: DecodeResponse, tally: StreamTally) -> None:
+        self.cluster.untrack(decode, resp)
         status, http_status, error = stream_outcome(tally)
+        if status == "timeout":  # the engine went silent mid-stream: evidence against it
+            self.cluster.report_failure(decode, "stalled streams")
         lc.finish(status, http_status, error, usage=tally.usage, token_times=tally.token_times)
 
     async def _whole(self, resp: DecodeResponse, headers: dict[str, str], lc: RequestLifecycle) -> Response:
@@ -326,6 +350,9 @@ class Proxy:
             # the engine refused the request itself (e.g. too long for its context): pass its answer on
             lc.finish("error", e.status, error="engine_refused")
             return Response(e.body, status_code=e.status, media_type="application/json", headers=echo)
+        if isinstance(e, LocalResourceError):  # the gateway's own shortage: try again shortly
+            lc.finish("error", 503, error="gateway_overloaded")
+            return error_response(503, str(e), "gateway_overloaded", headers={**echo, "retry-after": "1"})
         status, code = (504, "upstream_timeout") if isinstance(e, UpstreamTimeout) else (503, "upstream_unavailable")
         lc.finish("timeout" if status == 504 else "error", status, error=code)
         return error_response(status, str(e), code, headers=echo)

@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import logging
+import os
 import socket
+import sys
+import threading
 
-from gateway.config import ConfigError, load_config
+from gateway.config import ConfigError, GatewayConfig, load_config
 from predictors.cli_args import CLIError, Parser, port
 
 
@@ -36,13 +39,83 @@ def main(argv: list[str]) -> int:
     _check_bindable(cfg.host, cfg.port)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
+    return _run(cfg, args.log_level)
+
+
+def _run(cfg: GatewayConfig, log_level: str) -> int:
+    """Serve until SIGTERM/SIGINT; then end within ``shutdown_timeout_s`` whatever hangs. The
+    process always exits here (``os._exit`` once everything is closed): nothing left behind, an
+    engine's socket or a thread, can keep a stopped gateway alive."""
     import uvicorn
 
     from gateway.app import create_app
+    from gateway.netguard import (
+        Limits,
+        RequestLimit,
+        StartupReport,
+        connection_budget,
+        guarded_protocol,
+        raise_open_file_limit,
+    )
 
-    uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level=args.log_level, access_log=False,
-                loop="uvloop", http="httptools", timeout_graceful_shutdown=5)
-    return 0
+    log = logging.getLogger("conductor")
+    soft, hard = raise_open_file_limit()
+    em = cfg.embedded
+    engines = len(cfg.engines) + (em.prefill + em.decode + em.both if em is not None else 0)
+    budget = connection_budget(soft, engines)
+    if cfg.max_connections > budget:
+        log.warning("max_connections %d does not fit in %d open files with %d engines: using %d",
+                    cfg.max_connections, soft, engines, budget)
+    cfg.max_connections = min(cfg.max_connections or budget, budget)
+    cfg.max_concurrent_requests = min(cfg.max_concurrent_requests or cfg.max_connections, cfg.max_connections)
+    log.info("open files %d (hard limit %d): up to %d client connections, %d requests in progress",
+             soft, hard, cfg.max_connections, cfg.max_concurrent_requests)
+    limits = Limits(cfg.max_connections, cfg.header_timeout_s, cfg.body_timeout_s, cfg.max_header_bytes)
+    app = StartupReport(RequestLimit(create_app(cfg), cfg.max_concurrent_requests))
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=log_level, access_log=False,
+                            loop="uvloop", http=guarded_protocol(limits), timeout_keep_alive=cfg.keepalive_timeout_s,
+                            # in-flight streams get half the shutdown budget; stopping everything the rest
+                            timeout_graceful_shutdown=cfg.shutdown_timeout_s / 2)  # type: ignore[arg-type]
+    server = _server(config, cfg.shutdown_timeout_s)
+    code = 0
+    try:
+        server.run()
+    except SystemExit as e:  # uvicorn exits this way when it cannot bind
+        code = e.code if isinstance(e.code, int) else 1
+    if not server.started:
+        sys.stderr.write(f"conductor serve: error: start-up failed: {app.failure or 'see the log above'}\n")
+        code = code or 1
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _server(config, shutdown_timeout_s: float):
+    """uvicorn's server with a deadline on shutdown: the first SIGTERM/SIGINT starts a watchdog
+    that ends the process (and its embedded engines) if the graceful stop overruns it."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        watchdog: threading.Timer | None = None
+
+        def handle_exit(self, sig, frame) -> None:
+            if self.watchdog is None:
+                self.watchdog = threading.Timer(shutdown_timeout_s + 1.0, _overran, (shutdown_timeout_s,))
+                self.watchdog.daemon = True
+                self.watchdog.start()
+            super().handle_exit(sig, frame)
+
+    return Server(config)
+
+
+def _overran(timeout_s: float) -> None:
+    from gateway.embedded import kill_all
+
+    sys.stderr.write(f"conductor serve: shutdown took longer than {timeout_s:g} s: exiting now\n")
+    sys.stderr.flush()
+    kill_all()
+    os._exit(1)
 
 
 def _check_store(cfg) -> None:

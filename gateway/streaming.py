@@ -92,6 +92,14 @@ class UpstreamStream(Response):
         self.prefill_cached_tokens = None if cached is None else int(cached)
         self.tally = StreamTally()
         self.status_code, self.background = 200, None
+        self.aborted: str | None = None
+
+    def abort(self, reason: str) -> None:
+        """End the forwarding from outside (the engine was found hung): the client gets an SSE
+        error saying why, then the stream ends as a failed one."""
+        if self.aborted is None:
+            self.aborted = reason
+            self.resp.close()  # the pending read fails at once
 
     async def __call__(self, scope, receive, send) -> None:
         main = asyncio.current_task()
@@ -107,16 +115,28 @@ class UpstreamStream(Response):
                     return
 
         watcher = asyncio.create_task(watch_disconnect())
+        started = False
         try:
             hdrs = [(k.encode(), v.encode()) for k, v in self.extra_headers.items()]
             hdrs.append((b"content-type", b"text/event-stream"))
             hdrs.append((b"cache-control", b"no-cache"))
             await send({"type": "http.response.start", "status": 200, "headers": hdrs})
+            started = True
             await self._pump(send)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
             if not tally.disconnected:
-                raise
+                if not started:
+                    raise
+                # not the client: the server is stopping (its graceful period is over): the
+                # stream ends cleanly with an error event rather than a cut connection
+                tally.error = "the gateway is shutting down"
+                try:
+                    async with asyncio.timeout(0.5):
+                        await send({"type": "http.response.body", "more_body": False,
+                                    "body": sse_error(503, tally.error, "shutting_down")})
+                except (TimeoutError, OSError):
+                    pass
             if hasattr(main, "uncancel"):
                 main.uncancel()
         finally:
@@ -147,7 +167,7 @@ class UpstreamStream(Response):
                         "more_body": True})
             return
         except aiohttp.ClientError as e:
-            tally.error = f"engine failed mid-stream: {e.__class__.__name__}"
+            tally.error = self.aborted or f"engine failed mid-stream: {e.__class__.__name__}"
             await send({"type": "http.response.body", "body": sse_error(502, tally.error, "upstream_failed"),
                         "more_body": True})
             return

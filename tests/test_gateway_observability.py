@@ -53,7 +53,7 @@ def test_spans_and_telemetry_record(tmp_path):
 
 
 def test_upstream_timeout_before_first_byte_is_504():
-    cfg = "upstream_timeout_s = 0.05\n[slo]\nttft_ms = 600000\n[embedded]\nprefill = 1\ndecode = 1\n"
+    cfg = "upstream_first_byte_timeout_s = 0.05\n[slo]\nttft_ms = 600000\n[embedded]\nprefill = 1\ndecode = 1\n"
     with gateway(cfg) as g:
         model = requests.get(g["url"] + "/v1/models").json()["data"][0]["id"]
         body = {"model": model, "messages": [{"role": "user", "content": "q" * 60000}], "max_tokens": 4}

@@ -36,7 +36,15 @@ class UpstreamUnavailable(UpstreamError):
 
 
 class UpstreamTimeout(UpstreamError):
-    """The engine did not answer in time (504 for the client)."""
+    """The engine did not answer in time: before the first byte another pair may work (504 for
+    the client when none does)."""
+
+    retryable = True
+
+
+class LocalResourceError(UpstreamError):
+    """The gateway itself ran out of something (file descriptors, ephemeral ports, buffers)
+    reaching the engine: not the engine's fault, so never retried or counted against it (503)."""
 
 
 class UpstreamHTTPError(UpstreamError):
