@@ -85,15 +85,16 @@ def command_line() -> str:
     return " ".join([".venv/bin/python", script, *map(shlex.quote, sys.argv[1:])])
 
 
-def write_doc(path: Path, title: str, generated: str, discussion: str) -> None:
+def write_doc(path: Path, title: str, generated: str, discussion: str, command: str | None = None) -> None:
     """Write ``path``: the title, the generated block (replaced on every run) and, below it, the
-    hand-written discussion already in the file (``discussion`` only when there is none yet)."""
+    hand-written discussion already in the file (``discussion`` only when there is none yet).
+    ``command``: what generated it, when not this process's command line."""
     kept = discussion
     if path.exists():
         text = path.read_text()
         if END in text:
             kept = text.split(END, 1)[1].lstrip("\n")
-    stamp = f"{BEGIN}: by {command_line()}; edit below the END marker only -->"
+    stamp = f"{BEGIN}: by {command or command_line()}; edit below the END marker only -->"
     path.write_text(f"# {title}\n\n{stamp}\n{generated.rstrip()}\n{END}\n\n{kept.rstrip()}\n")
 
 
