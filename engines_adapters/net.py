@@ -7,12 +7,38 @@ and benchmarks can import it from here without reaching up into the gateway.
 """
 from __future__ import annotations
 
+import random
 import socket
+
+_rng = random.SystemRandom()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago (the OS picks it; the socket is closed
-    before returning, so another process could take it first: bind soon, or retry)."""
-    with socket.socket() as s:
+    """A TCP port that was free on ``host`` a moment ago (the socket is closed before returning,
+    so another process could take it first: bind soon, or retry).
+
+    Chosen below the OS's ephemeral range, never from it: a client (a ZMQ PUB retrying its
+    connect to a port nobody listens on yet) takes its source ports from that range and can
+    connect to itself on exactly the chosen port, which then is in use when its owner binds it."""
+    lo, _ = _ephemeral_range()
+    if lo > 11024:
+        for _ in range(64):
+            port = _rng.randrange(10000, lo)
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+                return port
+    with socket.socket() as s:  # no room below the range: let the OS pick
         s.bind((host, 0))
         return s.getsockname()[1]
