@@ -291,20 +291,26 @@ class RoomPuller(KVPuller):
         self._topology_ok: set[tuple[str, int]] = set()
         self.waiting = 0  # decode requests waiting for their room (SGLang's prealloc queue)
 
+    async def _bootstrap_get(self, p: RoomParams, path: str) -> dict:
+        """GET a JSON object from the prefill's bootstrap server, or the PullError saying why not."""
+        host, port_ = p.remote_host or "", p.remote_port or 0
+        try:
+            async with self._sess().get(self._url(p, path), timeout=aiohttp.ClientTimeout(total=5.0)) as r:
+                body = await r.json(content_type=None) if r.status == 200 else None
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+            raise PullError(502, f"cannot reach the prefill bootstrap server {host}:{port_}: "
+                                 f"{type(e).__name__}: {e}", "bootstrap_unreachable") from None
+        if not isinstance(body, dict):
+            raise PullError(502, f"the prefill bootstrap server {host}:{port_} is not ready",
+                            "bootstrap_unreachable")
+        return body
+
     async def _check_topology(self, p: RoomParams) -> None:
         addr = (p.remote_host or "", p.remote_port or 0)
         if addr in self._topology_ok:
             return
-        url = self._url(p, "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1")
-        try:
-            async with self._sess().get(url, timeout=aiohttp.ClientTimeout(total=5.0)) as r:
-                body = await r.json(content_type=None) if r.status == 200 else None
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
-            raise PullError(502, f"cannot reach the prefill bootstrap server {addr[0]}:{addr[1]}: "
-                                 f"{type(e).__name__}: {e}", "bootstrap_unreachable") from None
-        if not isinstance(body, dict):
-            raise PullError(502, f"the prefill bootstrap server {addr[0]}:{addr[1]} is not ready",
-                            "bootstrap_unreachable")
+        body = await self._bootstrap_get(
+            p, "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1")
         if body.get("page_size") != self.page_size:
             raise PullError(500, f"the prefill at {addr[0]}:{addr[1]} uses page size {body.get('page_size')} and "
                                  f"this decode instance {self.page_size}: both servers must use the same "
@@ -370,15 +376,7 @@ class MooncakePuller(RoomPuller):
     async def _check_topology(self, p: RoomParams) -> None:
         addr = (p.remote_host or "", p.remote_port or 0)
         if addr not in self._engines:
-            try:
-                async with self._sess().get(self._url(p, "/query"), timeout=aiohttp.ClientTimeout(total=5.0)) as r:
-                    body = await r.json(content_type=None) if r.status == 200 else None
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
-                raise PullError(502, f"cannot reach the prefill bootstrap server {addr[0]}:{addr[1]}: "
-                                     f"{type(e).__name__}: {e}", "bootstrap_unreachable") from None
-            if not isinstance(body, dict):
-                raise PullError(502, f"the prefill bootstrap server {addr[0]}:{addr[1]} is not ready",
-                                "bootstrap_unreachable")
+            body = await self._bootstrap_get(p, "/query")
             self._engines[addr] = {str(v.get("engine_id")) for v in body.values() if isinstance(v, dict)}
         if p.remote_engine_id not in self._engines[addr]:
             self._engines.pop(addr, None)  # it may have restarted with a new id: ask again next time
