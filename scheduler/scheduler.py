@@ -39,6 +39,7 @@ from scheduler.explain import (
 from scheduler.hit_index import HitIndex
 from scheduler.inflight import InflightPrefixes
 from scheduler.ledger import Ledger, Reservation
+from scheduler.overload import CostWindow, split_params
 from scheduler.policies import POLICIES, PrefillChoice, make_policy
 from scheduler.state import LoadLedger, PrefixIndex
 from scheduler.types import BAD_REQUEST, INTERNAL, UNAVAILABLE, Instance, Placement, Rejection, RequestFacts
@@ -75,7 +76,12 @@ class Scheduler:
                  priority_headroom: dict[str, float] | None = None, **policy_params: Any):
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        # overload admission by cost (scheduler/overload.py): any policy takes its parameters;
+        # on by default for the policies that say so (conductor)
+        cls = POLICIES.get(policy)
+        overload, policy_params = split_params(policy_params, bool(cls and cls.cost_admission))
         self.policy = make_policy(policy, **policy_params)
+        self.overload: CostWindow | None = CostWindow(overload) if overload.enabled else None
         self.policy_name = policy
         self.slo = slo
         self.block_size = block_size
@@ -385,6 +391,8 @@ class Scheduler:
             self._cache_facts(ctx)
             self._terms(ctx)
             choice = self._choose(ctx)
+            if self.overload is not None:
+                self._overload(ctx, choice, commit)
             self._admit(ctx, choice)
         except _Refused as r:
             return self._refuse(facts, r.status, r.reason, r.message, now, commit, r.record, r.retry_after_s)
@@ -492,6 +500,18 @@ class Scheduler:
             if d.role != Role.BOTH:
                 d.kv_wait_s = wait(d.id, need, ready_at, ctx.now)
 
+    # --- stage 4b: overload admission by cost (scheduler/overload.py) -----------------------
+    def _overload(self, ctx: DecisionContext, ch: _Choice, commit: bool) -> None:
+        """Judge the request's cost against the overload threshold; ``evaluate`` does not count it
+        as demand, a retry does not count it twice."""
+        assert self.overload is not None
+        rows = ch.prefill.rows or {}
+        cost = min(rows.get(c.id, c.local).prefill_s for c in ctx.prefill)
+        slo = admission.scaled_slo(ctx.slo, ctx.admit_fraction)
+        healthy = len(self._pools(frozenset()).prefill)
+        ch.cost_verdict, ch.overload = self.overload.check(ctx.facts.request_id, cost, ctx.now, healthy, slo.ttft_s,
+                                                           commit)
+
     # --- stage 5: admission against the SLO ----------------------------------------------
     def _admit(self, ctx: DecisionContext, ch: _Choice) -> None:
         """Fill in the pair's TTFT, SLO and record; a violated SLO refuses (raises ``_Refused``)."""
@@ -518,9 +538,9 @@ class Scheduler:
                 departures = [r for r in departures if r.decode_start_s <= at < r.decode_end_s]
         tbt_verdict = None if late else admission.check_tbt(d.tbt_s, slo.tbt_s, d.state, departures,
                                                             facts.prompt_tokens, facts.max_tokens, self.predictors, at)
-        ch.violations = [v for v in (ttft_verdict, tbt_verdict) if v is not None]
+        ch.violations = [v for v in (ttft_verdict, tbt_verdict, ch.cost_verdict) if v is not None]
         record = self._record(ctx, ch)
-        verdict = ttft_verdict or tbt_verdict
+        verdict = ttft_verdict or tbt_verdict or ch.cost_verdict
         if verdict is not None and self.admission:
             raise _Refused(verdict.status, verdict.reason, verdict.message, record, verdict.retry_after_s)
         ch.record = record
@@ -606,6 +626,7 @@ class Scheduler:
             "reason": violations[0].reason if violations else None,
             "violations": [{"reason": v.reason, "message": v.message, "retry_after_s": v.retry_after_s}
                            for v in violations],
+            **({"overload": ch.overload} if ch.overload is not None else {}),
         }
 
 
@@ -636,3 +657,5 @@ class _Choice:
     slo: SLO = field(default_factory=SLO)
     violations: list[admission.Verdict] = field(default_factory=list)
     record: dict[str, Any] = field(default_factory=dict)
+    cost_verdict: admission.Verdict | None = None  # overload admission by cost (when on)
+    overload: dict[str, Any] | None = None  # its figures for the decision record

@@ -91,6 +91,8 @@ class Policy(ABC):
     source: ClassVar[str] = ""  # where the rule comes from
     score_name: ClassVar[str] = "score"  # what ``scores`` hold (lower wins unless said)
     Params: ClassVar[type] = NoParams
+    # overload admission by cost (scheduler/overload.py) by default; ``cost_admission=on|off`` overrides
+    cost_admission: ClassVar[bool] = False
 
     def __init__(self, **params: Any):
         self.params = parse_params(self.Params, params, self.name)

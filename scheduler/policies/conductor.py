@@ -11,7 +11,7 @@ default): pull when the transfer is faster than the prefill it saves. An overloa
 loses to an idle instance that fetches the prefix itself, and that fetch is how hot prefixes
 replicate. The decode instance balances load: the lowest predicted TBT once this request joins.
 
-``conductor`` (the default) changes three things, each measured in the virtual-time simulator:
+``conductor`` (the default) changes four things, each measured in the virtual-time simulator:
 * the work term (``work_weight``, default 1): minimise TTFT + w x the work the request adds to
   the instance (its transfer + prefill there). Greedy TTFT recomputes a cached prefix elsewhere
   to skip a queue, spending capacity that every later request waits for;
@@ -19,7 +19,9 @@ replicate. The decode instance balances load: the lowest predicted TBT once this
   events counts as held there, so a burst sharing a new prefix follows its first request;
 * the decode instance is the one giving the earliest first token within the TBT SLO (room for
   the KV, shipment, first step): balancing TBT alone sends requests to instances whose KV is
-  full, where they wait after their prefill.
+  full, where they wait after their prefill;
+* overload admission by cost (``cost_admission``, scheduler/overload.py): past the prefill
+  capacity, the cheapest prefills are admitted first (docs/experiments/overload-admission.md).
 """
 from __future__ import annotations
 
@@ -60,6 +62,7 @@ class ConductorPolicy(Policy):
     source = "Mooncake FAST'25 Algorithm 1 (KVCache-centric scheduling); direct pull rule from its text"
     score_name = "ttft_s"
     Params = ConductorParams
+    cost_admission = True  # under overload the cheapest prefills first (scheduler/overload.py)
     params: ConductorParams
 
     @property
@@ -169,3 +172,4 @@ class ConductorAlg1Policy(ConductorPolicy):
     name = "conductor_alg1"
     source = "Mooncake FAST'25 Algorithm 1 as published (the reference our conductor departs from)"
     Params = ConductorAlg1Params
+    cost_admission = False
