@@ -10,14 +10,18 @@ knapsack over recent demand:
   its cheapest candidate, after cache hits) to a sliding window of ``window_s`` seconds of
   decision time; a request no candidate could prefill within the TTFT SLO is not demand (it is
   refused as unreachable anyway);
-* the window's capacity is ``eta`` x healthy prefill instances x ``window_s``. While the
-  window's demand fits, the threshold is infinite and nothing changes;
+* the window's capacity is the prefill the healthy instances do over it: ``eta`` x instances x
+  ``window_s``; before a whole window has passed since the first arrival, over the time since
+  then but at least the TTFT SLO (queues may absorb that much of a burst). Demand beyond it (at
+  ``eta`` = 1) arrives faster than the instances prefill: that is overload. While the window's
+  demand fits, the threshold is infinite and nothing changes;
 * past it, the threshold ``tau`` is the largest cost such that all window costs <= tau sum to
   at most the capacity: the requests that fit if the cheapest are served first. A request
   costing more is refused (429 ``overloaded_cost``); the rest still face the SLO check.
 
-The price is fairness: under overload long prompts are refused first (docs/experiments/
-overload-admission.md reports attainment by prompt length). Pure: the clock is passed in.
+Without a TTFT SLO there is no deadline, hence no overload: nothing is refused. The price is
+fairness: under overload long prompts are refused first (docs/experiments/overload-admission.md
+reports attainment by prompt length). Pure: the clock is passed in.
 """
 from __future__ import annotations
 
@@ -69,6 +73,8 @@ class CostWindow:
         self._ids: set[str] = set()  # requests counted in the window (a retry is not new demand)
         self._sorted: list[float] = []  # the same costs, ascending
         self._total = 0.0
+        self._first: float | None = None  # the first arrival: before a whole window, capacity is over less
+        self._now = 0.0
 
     def __len__(self) -> int:
         return len(self._arrivals)
@@ -77,10 +83,17 @@ class CostWindow:
     def demand_s(self) -> float:
         return self._total
 
-    def capacity_s(self, instances: int) -> float:
-        return self.params.eta * instances * self.params.window_s
+    def capacity_s(self, instances: int, slack_s: float, at: float | None = None) -> float:
+        """Prefill seconds ``instances`` do over the window at ``at`` (default: the last time seen)
+        x eta; while the window is not yet full, over the time since the first arrival, but at
+        least ``slack_s`` (the TTFT SLO)."""
+        at = self._now if at is None else at
+        w = self.params.window_s
+        span = w if self._first is None else min(w, max(at - self._first, slack_s))
+        return self.params.eta * instances * span
 
     def expire(self, now: float) -> None:
+        self._now = max(self._now, now)
         cutoff = now - self.params.window_s
         arrivals, costs = self._arrivals, self._sorted
         while arrivals and arrivals[0][0] <= cutoff:
@@ -94,63 +107,66 @@ class CostWindow:
 
     def add(self, now: float, cost: float, request_id: str = "") -> None:
         self.expire(now)
+        if self._first is None:
+            self._first = now
         if request_id:
             self._ids.add(request_id)
         self._arrivals.append((now, cost, request_id))
         bisect.insort(self._sorted, cost)
         self._total += cost
 
-    def threshold(self, instances: int) -> float:
+    def threshold(self, instances: int, slack_s: float) -> float:
         """The largest cost admitted: infinite while the window's demand fits its capacity."""
-        budget = self.capacity_s(instances)
+        budget = self.capacity_s(instances, slack_s)
         if self._total <= budget:
             return math.inf
         fit = bisect.bisect_right(list(itertools.accumulate(self._sorted)), budget)
         return self._sorted[fit - 1] if fit else 0.0
 
-    def drain_s(self, now: float, instances: int) -> float:
+    def drain_s(self, now: float, instances: int, slack_s: float) -> float:
         """With no new arrival, seconds until the window's demand fits its capacity again."""
-        budget, total = self.capacity_s(instances), self._total
+        total = self._total
+        if total <= self.capacity_s(instances, slack_s, now):
+            return 0.0
         for t, c, _ in self._arrivals:
-            if total <= budget:
-                break
             total -= c
-            now_fits_at = t + self.params.window_s
-            if total <= budget:
-                return max(0.0, now_fits_at - now)
+            gone = t + self.params.window_s  # this arrival leaves the window
+            if total <= self.capacity_s(instances, slack_s, gone):
+                return max(0.0, gone - now)
         return 0.0
 
     def check(self, request_id: str, cost: float, now: float, instances: int, slo_ttft_s: float | None,
               record: bool) -> tuple[Verdict | None, dict[str, Any]]:
         """Count the request as demand (when ``record``, once per request id) and judge it; the
         verdict (None: within the threshold) and what the decision record shows."""
-        if slo_ttft_s is not None and cost > slo_ttft_s:  # unreachable: the SLO check refuses it
+        if slo_ttft_s is None or cost > slo_ttft_s:  # no deadline, or unreachable (the SLO check refuses it)
             self.expire(now)
-            return None, self._explain(cost, math.inf, instances, counted=False)
+            return None, self._explain(cost, math.inf, instances, 0.0 if slo_ttft_s is None else slo_ttft_s,
+                                       counted=False)
         counted = request_id in self._ids
         if not counted:
             self.add(now, cost, request_id if record else "")  # judged as part of the demand it joins
         else:
             self.expire(now)
-        tau = self.threshold(instances)
-        info = self._explain(cost, tau, instances, counted=record or counted)
+        tau = self.threshold(instances, slo_ttft_s)
+        info = self._explain(cost, tau, instances, slo_ttft_s, counted=record or counted)
         if not (record or counted):  # evaluate(): the window stays as it was
             self._remove_last()
         if cost <= tau:
             return None, info
         p = self.params
         msg = (f"overloaded: predicted prefill {cost:.3f}s exceeds the {tau:.3f}s admitted under overload; "
-               f"requests in the last {p.window_s:g}s ask {info['demand_s']:.1f}s of prefill against "
-               f"{self.capacity_s(instances):.1f}s of capacity ({instances} prefill instances x eta {p.eta:g}), "
+               f"requests in the last {p.window_s:g}s ask {info['demand_s']:.1f}s of prefill, more than the "
+               f"{info['capacity_s']:.1f}s {instances} prefill instances do in that time (x eta {p.eta:g}), "
                f"so the cheapest are admitted first")
-        return Verdict("overloaded_cost", msg, retry_seconds(self.drain_s(now, instances))), info
+        return Verdict("overloaded_cost", msg, retry_seconds(self.drain_s(now, instances, slo_ttft_s))), info
 
     def _remove_last(self) -> None:
         _, c, _ = self._arrivals.pop()
         del self._sorted[bisect.bisect_left(self._sorted, c)]
         self._total -= c
 
-    def _explain(self, cost: float, tau: float, instances: int, counted: bool) -> dict[str, Any]:
+    def _explain(self, cost: float, tau: float, instances: int, slack_s: float, counted: bool) -> dict[str, Any]:
         return {"cost_s": cost, "threshold_s": None if math.isinf(tau) else tau, "demand_s": self._total,
-                "capacity_s": self.capacity_s(instances), "window_s": self.params.window_s,
+                "capacity_s": self.capacity_s(instances, slack_s), "window_s": self.params.window_s,
                 "eta": self.params.eta, "counted": counted}

@@ -18,46 +18,72 @@ def facts(rid, n, seed):
 
 
 # --- the window and its threshold ---------------------------------------------------------------
+def window(eta=1.0, window_s=10.0):
+    """A window that has seen traffic for a whole window already (its first arrival at 0, gone by 10)."""
+    w = CostWindow(OverloadParams(enabled=True, eta=eta, window_s=window_s))
+    w.add(0.0, 0.0, "warm-up")
+    return w
+
+
 def test_threshold_is_the_largest_cost_whose_cheaper_prefix_fits_the_capacity():
-    w = CostWindow(OverloadParams(enabled=True, eta=1.0, window_s=10.0))
+    w = window()
     for t, c in enumerate([5.0, 1.0, 4.0, 2.0, 3.0]):
-        w.add(float(t), c)
-    assert w.demand_s == 15.0 and w.capacity_s(1) == 10.0
-    assert w.threshold(1) == 4.0  # 1 + 2 + 3 + 4 = 10 fits, + 5 does not
-    assert w.threshold(2) == math.inf  # 20 s of capacity: not overloaded
-    w2 = CostWindow(OverloadParams(enabled=True, eta=0.5, window_s=10.0))
+        w.add(10.0 + t, c)
+    assert w.demand_s == 15.0 and w.capacity_s(1, 5.0) == 10.0 and len(w) == 5
+    assert w.threshold(1, 5.0) == 4.0  # 1 + 2 + 3 + 4 = 10 fits, + 5 does not
+    assert w.threshold(2, 5.0) == math.inf  # 20 s of capacity: not overloaded
+    w2 = window(eta=0.5)
     for t, c in enumerate([5.0, 1.0, 4.0, 2.0, 3.0]):
-        w2.add(float(t), c)
-    assert w2.threshold(1) == 2.0  # eta halves the capacity: 1 + 2 = 3 <= 5 < 6
+        w2.add(10.0 + t, c)
+    assert w2.threshold(1, 5.0) == 2.0  # eta halves the capacity: 1 + 2 = 3 <= 5 < 6
+
+
+def test_capacity_before_a_whole_window_is_over_the_time_since_the_first_arrival_or_the_slo():
+    w = CostWindow(OverloadParams(enabled=True, eta=0.5, window_s=60.0))
+    w.add(100.0, 1.0)
+    assert w.capacity_s(4, 5.0) == 0.5 * 4 * 5.0  # just started: a queue may absorb one SLO of work
+    w.expire(130.0)
+    assert w.capacity_s(4, 5.0) == 0.5 * 4 * 30.0
+    assert w.capacity_s(4, 45.0) == 0.5 * 4 * 45.0
+    assert w.capacity_s(4, 5.0, at=500.0) == 0.5 * 4 * 60.0
+    assert w.capacity_s(4, 90.0, at=500.0) == 0.5 * 4 * 60.0
 
 
 def test_below_capacity_the_threshold_is_infinite_and_nothing_is_refused():
-    w = CostWindow(OverloadParams(enabled=True, eta=1.0, window_s=10.0))
-    for t in range(9):
-        verdict, info = w.check(f"r{t}", 1.0, float(t), 1, None, record=True)
+    w = window()
+    for t in range(10):  # 1 s asked per second of one instance: fits
+        verdict, info = w.check(f"r{t}", 1.0, 10.0 + t, 1, 2.0, record=True)
         assert verdict is None and info["threshold_s"] is None
-    verdict, info = w.check("r9", 1.0, 9.0, 1, None, record=True)  # 10 s asked of 10 s: still fits
-    assert verdict is None and info["threshold_s"] is None
+    verdict, info = w.check("r10", 1.0, 20.0, 1, 2.0, record=True)  # the first has left: still 10 of 10
+    assert verdict is None and info["threshold_s"] is None and info["demand_s"] == 10.0
+
+
+def test_without_a_ttft_slo_there_is_no_overload():
+    w = window()
+    for t in range(50):
+        verdict, info = w.check(f"r{t}", 5.0, 10.0 + t / 10, 1, None, record=True)
+        assert verdict is None and info["counted"] is False
+    assert len(w) == 0
 
 
 def test_window_expiry_forgets_old_demand():
-    w = CostWindow(OverloadParams(enabled=True, eta=1.0, window_s=10.0))
-    w.add(0.0, 8.0)
-    w.add(1.0, 8.0)
-    assert w.threshold(1) == 8.0
-    v, _ = w.check("c", 9.0, 2.0, 1, None, record=True)
+    w = window()
+    w.add(10.0, 8.0)
+    w.add(11.0, 8.0)
+    assert w.threshold(1, 9.0) == 8.0
+    v, _ = w.check("c", 9.0, 12.0, 1, 9.0, record=True)  # 25 s asked of 10
     assert v is not None and v.reason == "overloaded_cost"
-    assert v.retry_after_s == 9.0  # without new arrivals, demand fits when the 2nd entry leaves at 11 s
-    assert w.drain_s(2.0, 1) == pytest.approx(9.0)
-    w.expire(10.0)  # the first arrival (t=0) has left the window
+    assert v.retry_after_s == 9.0  # without new arrivals, demand fits when the 2nd entry leaves at 21 s
+    assert w.drain_s(12.0, 1, 9.0) == pytest.approx(9.0)
+    w.expire(20.0)  # the first arrival (t=10) has left the window
     assert len(w) == 2 and w.demand_s == 17.0
-    v, info = w.check("d", 9.0, 12.5, 1, None, record=True)  # all three earlier arrivals are gone
+    v, info = w.check("d", 9.0, 22.5, 1, 9.0, record=True)  # all three earlier arrivals are gone
     assert v is None and len(w) == 1 and info["demand_s"] == 9.0
 
 
 def test_a_request_no_candidate_could_serve_in_time_is_not_demand():
-    w = CostWindow(OverloadParams(enabled=True, eta=1.0, window_s=10.0))
-    v, info = w.check("e", 20.0, 0.0, 1, 5.0, record=True)
+    w = window()
+    v, info = w.check("e", 20.0, 10.0, 1, 5.0, record=True)
     assert v is None and len(w) == 0 and info["counted"] is False
 
 
@@ -80,8 +106,8 @@ def test_params_any_policy_takes_them_and_conductor_defaults_on():
 
 # --- in the scheduler ---------------------------------------------------------------------------
 def _overloaded(policy="conductor", **kw):
-    """One prefill instance whose window holds a long prefill and half a short one: alone, either
-    fits; a long one behind a short one does not."""
+    """One prefill instance whose window (10 s, TTFT SLO 10 s) holds a long prefill and half a
+    short one: alone, either fits; a long one behind a short one does not."""
     probe = Scheduler([Instance("p0", "prefill"), Instance("d0", "decode")], policy=policy, clock=Clock(0.0),
                       cost_admission=False)
     short = probe.evaluate(facts("s", 500, 1)).prefill_s
@@ -89,7 +115,9 @@ def _overloaded(policy="conductor", **kw):
     assert long > 2 * short
     clock = Clock(100.0)
     sched = Scheduler([Instance("p0", "prefill"), Instance("d0", "decode")], policy=policy, clock=clock,
-                      cost_admission=True, cost_window_s=10.0, cost_eta=(long + 0.5 * short) / 10.0, **kw)
+                      slo=SLO(ttft_s=10.0), cost_admission=True, cost_window_s=10.0,
+                      cost_eta=(long + 0.5 * short) / 10.0, **kw)
+    sched.overload.add(90.0, 0.0, "warm-up")  # traffic for a whole window already: capacity is over 10 s
     return sched, clock, short
 
 
@@ -157,7 +185,7 @@ def test_no_effect_below_overload():
     on, s_on = run(True)
     off, _ = run(False)
     assert on == off and any(x[0] == "Placement" for x in on)
-    assert s_on.overload is not None and s_on.overload.threshold(2) == math.inf
+    assert s_on.overload is not None and s_on.overload.threshold(2, 2.0) == math.inf
 
 
 def test_deterministic_under_an_injected_clock():

@@ -2,7 +2,7 @@
 calibrated on a different slice of the same workload (issue 15).
 
     .venv/bin/python bench/experiments/baselines.py [--train 1000] [--eval 1000] [--workers 1]
-        [--workloads conversation,azure_code,synthetic]
+        [--workloads conversation,azure_code,synthetic] [--store | --overload]
 
 For each workload: (1) telemetry: conductor with the analytic predictors replays a *training*
 slice (the trace's first ``--train`` requests; for the synthetic workload, the same generator with
@@ -181,10 +181,18 @@ def main() -> None:
     p.add_argument("--slo-tbt-ms", type=float, default=200.0)
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--from-results", action="store_true", help="re-render the page from its results.json")
+    p.add_argument("--overload", action="store_true",
+                   help="conductor's overload admission by cost at TTFT 5 s and 30 s, with its ablations "
+                        "(bench/experiments/overload_admission.py; writes overload-admission.md)")
     p.add_argument("--store", action="store_true",
                    help="a shared Mooncake-style store (one node per instance, 64 GB DRAM each; "
                         "writes baselines-gap-store.md)")
     a = p.parse_args()
+    if a.overload:
+        import overload_admission
+
+        overload_admission.run(a)
+        return
     page = "baselines-gap-store" if a.store else "baselines-gap"
     slo = SLO(a.slo_ttft_s, a.slo_tbt_ms / 1000)
     if a.from_results:  # re-render the page from a previous run's results.json (no simulation)
