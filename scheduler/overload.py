@@ -41,8 +41,10 @@ PARAM_KEYS = {"cost_admission": "enabled", "cost_eta": "eta", "cost_window_s": "
 @dataclass(frozen=True)
 class OverloadParams:
     enabled: bool = False
-    eta: float = 1.0  # share of the window's prefill capacity the admitted demand may take
-    window_s: float = 60.0  # decision time over which demand is measured
+    # tuned on the training slices (docs/experiments/overload-admission.md): eta > 1 because the
+    # engines batch prefills (chunked prefill), doing more than the sum of single-request prefills
+    eta: float = 1.25  # share of the window's prefill capacity the admitted demand may take
+    window_s: float = 30.0  # decision time over which demand is measured
 
     def __post_init__(self) -> None:
         if not (isinstance(self.eta, (int, float)) and math.isfinite(self.eta) and self.eta > 0):

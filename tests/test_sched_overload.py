@@ -89,7 +89,7 @@ def test_a_request_no_candidate_could_serve_in_time_is_not_demand():
 
 def test_params_any_policy_takes_them_and_conductor_defaults_on():
     p, rest = split_params({"cost_admission": "off", "work_weight": "2", "cost_eta": "0.8"}, True)
-    assert (p.enabled, p.eta, p.window_s) == (False, 0.8, 60.0) and rest == {"work_weight": "2"}
+    assert (p.enabled, p.eta, p.window_s) == (False, 0.8, OverloadParams().window_s) and rest == {"work_weight": "2"}
     with pytest.raises(ValueError, match="cost_eta"):
         split_params({"cost_eta": "0"}, True)
     with pytest.raises(ValueError, match="cost_window_s"):
