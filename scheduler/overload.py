@@ -41,8 +41,8 @@ PARAM_KEYS = {"cost_admission": "enabled", "cost_eta": "eta", "cost_window_s": "
 @dataclass(frozen=True)
 class OverloadParams:
     enabled: bool = False
-    # tuned on the training slices (docs/experiments/overload-admission.md): eta > 1 because the
-    # engines batch prefills (chunked prefill), doing more than the sum of single-request prefills
+    # tuned on the training slices (docs/experiments/overload-admission.md). eta > 1: refusing by
+    # cost only the demand past 1.25x capacity did best; below that the SLO check alone decides
     eta: float = 1.25  # share of the window's prefill capacity the admitted demand may take
     window_s: float = 30.0  # decision time over which demand is measured
 
