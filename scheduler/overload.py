@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from scheduler.admission import Verdict, retry_seconds
+from scheduler.policies.base import _coerce  # the same parsing as every policy parameter
 
 #: policy parameters the scheduler takes for itself (any policy accepts them) -> field name
 PARAM_KEYS = {"cost_admission": "enabled", "cost_eta": "eta", "cost_window_s": "window_s"}
@@ -56,8 +57,6 @@ class OverloadParams:
 def split_params(policy_params: dict[str, Any], default_on: bool) -> tuple[OverloadParams, dict[str, Any]]:
     """The overload parameters out of a policy's raw parameters (TOML natives or ``--policy-param``
     strings), and the rest for the policy. ``default_on``: the policy's own default."""
-    from scheduler.policies.base import _coerce  # the same parsing as every policy parameter
-
     rest = dict(policy_params)
     kw: dict[str, Any] = {"enabled": default_on}
     for key, name in PARAM_KEYS.items():
