@@ -151,19 +151,23 @@ class EmbeddedCluster:
         return e.bootstrap_port is not None
 
     def stop(self, timeout_s: float = 2.0) -> None:
-        """Stop every process within ``timeout_s``: SIGTERM (and SIGCONT, so a stopped one hears
-        it), then SIGKILL whatever is still there at the deadline."""
-        for p in self.procs:
-            if p.poll() is None:
-                p.terminate()
-                p.send_signal(signal.SIGCONT)
-        deadline = time.monotonic() + timeout_s
-        for p in self.procs:
-            try:
-                p.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-        for p in self.procs:
-            p.wait()
-            _LIVE.discard(p)
+        stop_processes(self.procs, timeout_s)
         self.procs.clear()
+
+
+def stop_processes(procs: list[subprocess.Popen], timeout_s: float) -> None:
+    """Stop every process within ``timeout_s``: SIGTERM (and SIGCONT, so a stopped one hears
+    it), then SIGKILL whatever is still there at the deadline; all reaped."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+            p.send_signal(signal.SIGCONT)
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+    for p in procs:
+        p.wait()
+        _LIVE.discard(p)

@@ -76,5 +76,53 @@ async def main() -> dict:
     return out
 
 
+async def engines() -> dict:
+    """Two sim engines on one real master (``--kv-store mooncake://``): prefill-1 computes a prompt
+    and writes it through as real bytes; prefill-2 loads it instead of recomputing."""
+    from gateway.mooncake_master import MooncakeMaster, find_master
+    from tests.sim_helpers import SimEngineProcess, wait_until
+
+    out: dict = {}
+    master = MooncakeMaster(find_master())
+    master.start()
+    try:
+        await master.wait_ready()
+        url = "mooncake://" + master.rpc
+        metric = lambda name: next(float(x.split()[-1]) for x in urllib.request.urlopen(  # noqa: E731
+            master.http_url + "/metrics", timeout=2).read().decode().splitlines() if x.startswith(name + " "))
+        with SimEngineProcess("--kv-store", url, "--noise", "0", role="prefill") as e1, \
+                SimEngineProcess("--kv-store", url, "--noise", "0", role="prefill") as e2:
+            body = {"model": "llama3-8b", "messages": [{"role": "user", "content": "a shared prefix " * 150}],
+                    "max_tokens": 1}
+            st, _, r1 = e1.post("/v1/chat/completions", body)
+            assert st == 200, r1
+            out["prompt_tokens"] = prompt = r1["usage"]["prompt_tokens"]
+            out["first_cached"] = r1["usage"]["prompt_tokens_details"]["cached_tokens"]
+            blocks = (prompt - 1) // BS
+            wait_until(lambda: metric("master_key_count") >= blocks, timeout=20, what="the write-through")
+            out["key_count"] = metric("master_key_count")
+            out["allocated_bytes"] = metric("master_allocated_bytes")
+            out["e1_put_payload"] = e1.metric('sim:store_payload_bytes_total{op="put"}')
+            out["e1_put_modelled"] = e1.metric('sim:store_modelled_bytes_total{op="put"}')
+            st, _, r2 = e2.post("/v1/chat/completions", body)
+            assert st == 200, r2
+            out["second_cached"] = r2["usage"]["prompt_tokens_details"]["cached_tokens"]
+            out["kv_store"] = r2.get("kv_store")
+            out["e2_store_hits"] = e2.metric("sim:store_hits_total")
+            out["e2_load_s"] = e2.metric("sim:store_load_seconds_total")
+            out["e2_get_modelled"] = e2.metric('sim:store_modelled_bytes_total{op="get"}')
+            out["e2_get_payload"] = e2.metric('sim:store_payload_bytes_total{op="get"}')
+            keys = set(urllib.request.urlopen(master.http_url + "/get_all_keys", timeout=2).read().decode().split())
+            tok = e1.post("/tokenize", {"messages": body["messages"]})[2]["tokens"]
+            recipe = KeyRecipe("vllm", MODEL, BS, seed_text="0")  # vLLM's MooncakeStoreConnector keys
+            out["engine_keys_held"] = sum(recipe.key(d) in keys for d in vllm_block_digests(tok, BS, seed_text="0"))
+    finally:
+        master.stop()
+    return out
+
+
+SCENARIOS = {"tier": main, "engines": engines}
+
 if __name__ == "__main__":
-    print("RESULT " + json.dumps(asyncio.run(main())), flush=True)
+    name = sys.argv[1] if len(sys.argv) > 1 else "tier"
+    print("RESULT " + json.dumps(asyncio.run(SCENARIOS[name]())), flush=True)

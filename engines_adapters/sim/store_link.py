@@ -7,6 +7,9 @@ answers how many leading blocks it has and the modelled transfer time, which the
 charges as a KV load (``SimRequest.store_blocks``). After the step that finishes a prefill the
 prompt's blocks are written through (a put of the keys the store lacks, in the background: the
 request does not wait for it). A store that fails is logged and skipped: the engine recomputes.
+
+``--kv-store mooncake://HOST:RPC_PORT`` instead puts and gets real (scaled-down) bytes through a
+real Mooncake master with ``MooncakeDistributedStore`` (engines_adapters/store/mooncake.py).
 """
 from __future__ import annotations
 
@@ -15,11 +18,13 @@ import logging
 import time
 
 import aiohttp
+from prometheus_client.core import CounterMetricFamily
 
 from scheduler.hashing import block_hashes
 
 from ..store.client import StoreClient, StoreUnavailable
 from ..store.keys import KeyBook, KeyRecipe
+from ..store.mooncake import SCHEME as MOONCAKE, MooncakeStoreClient
 from .model import EngineModel
 
 log = logging.getLogger("conductor.sim_engine.store")
@@ -27,12 +32,15 @@ MAX_PENDING_PUTS = 64
 
 
 class StoreLink:
-    def __init__(self, url: str, engine: EngineModel, model_name: str, recipe: str = "vllm"):
+    def __init__(self, url: str, engine: EngineModel, model_name: str, recipe: str = "vllm",
+                 mooncake: MooncakeStoreClient | None = None):
         self.url, self.engine = url, engine
         self.keys = KeyBook(KeyRecipe(recipe, model_name, engine.block_size, algo=engine.hash_algo))
         self.bytes_per_block = engine.profile.kv_bytes_per_token * engine.block_size
         self.session: aiohttp.ClientSession | None = None
-        self.client: StoreClient | None = None
+        self.client: StoreClient | MooncakeStoreClient | None = None
+        if url.startswith(MOONCAKE):  # the real store (its data path; no HTTP session)
+            self.client = mooncake or MooncakeStoreClient(url, block_size=engine.block_size)
         self._puts: set[asyncio.Task] = set()
         self.put_errors = 0
         self.get_errors = 0
@@ -40,8 +48,9 @@ class StoreLink:
         self._warned = 0.0
 
     async def open(self) -> bool:
-        self.session = aiohttp.ClientSession()
-        self.client = StoreClient(self.session, self.url)
+        if self.client is None:
+            self.session = aiohttp.ClientSession()
+            self.client = StoreClient(self.session, self.url)
         return await self.client.health()
 
     async def close(self) -> None:
@@ -49,6 +58,8 @@ class StoreLink:
             t.cancel()
         if self.session is not None:
             await self.session.close()
+        elif isinstance(self.client, MooncakeStoreClient):
+            await self.client.close()
 
     def _warn(self, msg: str) -> None:
         now = time.monotonic()
@@ -102,3 +113,22 @@ class StoreLink:
         if failed:
             self.put_errors += len(failed)
             self._warn(f"store refused {len(failed)} object(s): {next(iter(failed.values()))}")
+
+
+class StoreBytes:
+    """Prometheus collector: real bytes moved through a Mooncake store vs the KV they stand for."""
+
+    def __init__(self, client: MooncakeStoreClient):
+        self.client = client
+
+    def collect(self):
+        c = self.client
+        for name, doc, put, get in (
+                ("sim:store_payload_bytes", "Bytes really moved through the Mooncake store (scaled down).",
+                 c.put_payload_bytes, c.get_payload_bytes),
+                ("sim:store_modelled_bytes", "Modelled KV bytes those objects stand for.",
+                 c.put_modelled_bytes, c.get_modelled_bytes)):
+            m = CounterMetricFamily(name, doc, labels=["op"])
+            m.add_metric(["put"], put)
+            m.add_metric(["get"], get)
+            yield m
