@@ -18,7 +18,8 @@ import time
 import urllib.request
 
 from engines_adapters.net import free_port
-from gateway.embedded import _LIVE, _die_with_parent, stop_processes
+from gateway.config import GatewayConfig
+from gateway.embedded import _LIVE, EmbeddedCluster, _die_with_parent, stop_processes
 
 INSTALL_HINT = "install the test extra (pip install -e '.[test]') or pip install mooncake-transfer-engine-non-cuda"
 
@@ -100,3 +101,24 @@ class MooncakeMaster:
         p = self.proc
         return {"started_by_gateway": True, "pid": p.pid if p else None, "rpc": self.rpc, "http": self.http_url,
                 "running": p is not None and p.poll() is None}
+
+
+async def start_mooncake(cfg: GatewayConfig, embedded: EmbeddedCluster | None) -> MooncakeMaster | None:
+    """At gateway start: the master ``[store] start_master`` asks for (its admin HTTP becomes the
+    store tier's url), and the embedded engines pointed at a real master when there is one."""
+    st = cfg.store
+    if st is None or st.kind != "mooncake":
+        return None
+    master = None
+    if st.start_master:
+        master = MooncakeMaster(find_master(st.master_bin), st.master_args)
+        master.start()
+        try:
+            await master.wait_ready()
+        except BaseException:
+            master.stop()
+            raise
+        st.url, st.master_rpc = master.http_url, master.rpc
+    if embedded is not None and embedded.cfg.store and st.master_rpc:
+        embedded.use_mooncake(st)
+    return master

@@ -121,7 +121,56 @@ async def engines() -> dict:
     return out
 
 
-SCENARIOS = {"tier": main, "engines": engines}
+async def serve() -> dict:
+    """``conductor serve`` with ``[store] kind = "mooncake"``, ``start_master = true``: it starts the
+    master, its embedded prefill engines write real bytes there, its store tier reads them back
+    through ``/batch_query_keys`` for the next decision; stopping serve stops the master."""
+    import requests
+
+    from tests.servers import gateway
+
+    out: dict = {}
+    # cache_ttl_s = 0: the second request comes within the 1 s a "not held" answer is trusted by default
+    cfg = ('policy = "round_robin"\n[store]\nkind = "mooncake"\nstart_master = true\ncache_ttl_s = 0.0\n'
+           "[embedded]\nprefill = 2\ndecode = 1\ntime_scale = 0.2\n")
+    with gateway(cfg) as g:
+        st = requests.get(g["url"] + "/admin/store").json()
+        out["store"] = {k: st.get(k) for k in ("mode", "stale", "url")}
+        out["master"] = master = st["master"]
+        out["health"] = requests.get(master["http"] + "/health", timeout=2).json()
+        model = requests.get(g["url"] + "/v1/models").json()["data"][0]["id"]
+        body = {"model": model, "messages": [{"role": "user", "content": "a long shared prompt about stores " * 120}],
+                "max_tokens": 2}
+        assert requests.post(g["url"] + "/v1/chat/completions", json=body, timeout=60).status_code == 200
+
+        def key_count() -> float:
+            text = requests.get(master["http"] + "/metrics", timeout=2).text
+            return next(float(x.split()[-1]) for x in text.splitlines() if x.startswith("master_key_count "))
+        deadline = time.monotonic() + 20
+        while key_count() < 50 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        out["key_count"] = key_count()
+        r2 = requests.post(g["url"] + "/v1/chat/completions", json=body, timeout=60)
+        assert r2.status_code == 200, r2.text
+        d1, d2 = requests.get(g["url"] + "/admin/decisions?limit=2").json()["decisions"]
+        out["prefills"] = [d1["chosen"]["prefill"], d2["chosen"]["prefill"]]
+        out["d2"] = {"store_hit_tokens": d2["store_hit_tokens"], "transfer_from": d2["terms"]["transfer_from"],
+                     "store_load": d2.get("store_load")}
+        out["tier_queries"] = requests.get(g["url"] + "/admin/store").json()["queries"]
+    try:
+        os.kill(master["pid"], 0)
+        out["master_alive_after_stop"] = True
+    except ProcessLookupError:
+        out["master_alive_after_stop"] = False
+    try:
+        urllib.request.urlopen(master["http"] + "/health", timeout=1)
+        out["master_answers_after_stop"] = True
+    except OSError:
+        out["master_answers_after_stop"] = False
+    return out
+
+
+SCENARIOS = {"tier": main, "engines": engines, "serve": serve}
 
 if __name__ == "__main__":
     name = sys.argv[1] if len(sys.argv) > 1 else "tier"

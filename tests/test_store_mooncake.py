@@ -75,3 +75,104 @@ def test_a_prefix_computed_on_one_engine_is_loaded_from_the_real_master_on_anoth
     expected_s = 1e-4 + r["e2_get_modelled"] / (87e9 / 4)  # one RDMA transfer (store model defaults)
     assert r["e2_load_s"] == pytest.approx(expected_s, rel=1e-6)
     assert r["kv_store"]["load_s"] == pytest.approx(expected_s, rel=1e-6)
+
+
+@pytest.mark.slow
+@real_mooncake
+def test_serve_starts_the_master_its_tier_reads_the_engines_keys_and_stopping_serve_stops_it():
+    r = in_netns("serve", timeout=180)
+    m = r["master"]
+    assert m["started_by_gateway"] and m["running"] and m["rpc"].startswith("127.0.0.1:")
+    assert r["store"] == {"mode": "query", "stale": False, "url": m["http"]} and r["health"]["status"] == "ok"
+    assert m["http"].startswith("http://127.0.0.1:")
+    assert r["key_count"] >= 50 and r["prefills"] == ["prefill-1", "prefill-2"]
+    # the second prefill instance: the gateway's tier found the prefix in the real master, and the
+    # engine loaded it from there (real bytes) instead of computing it
+    assert r["d2"]["transfer_from"] == "store" and r["d2"]["store_hit_tokens"] >= 50 * 16
+    assert r["d2"]["store_load"]["tokens"] == r["d2"]["store_hit_tokens"] and r["tier_queries"] >= 2
+    assert r["master_alive_after_stop"] is False and r["master_answers_after_stop"] is False
+
+
+def _serve(config: str, tmp_path) -> subprocess.CompletedProcess:
+    from engines_adapters.net import free_port
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(config)
+    return subprocess.run([sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg), "--port",
+                           str(free_port())], capture_output=True, text=True, timeout=60, cwd=ROOT)
+
+
+def test_serve_without_the_master_binary_exits_2_saying_what_to_install(tmp_path):
+    p = _serve('[store]\nkind = "mooncake"\nstart_master = true\nmaster_bin = "/nonexistent/mooncake_master"\n'
+               "[embedded]\nstore = false\n", tmp_path)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert "/nonexistent/mooncake_master" in p.stderr and "pip install mooncake-transfer-engine-non-cuda" in p.stderr
+
+
+def test_the_master_is_looked_up_beside_python_then_on_path(tmp_path):
+    from gateway.mooncake_master import MasterMissing, find_master
+
+    with pytest.raises(MasterMissing, match="install the test extra"):
+        find_master(search=[str(tmp_path)])
+    binary = tmp_path / "mooncake_master"
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o755)
+    assert find_master(search=["/nonexistent", str(tmp_path)]) == str(binary)
+
+
+def test_embedded_engines_on_a_real_master_need_a_loopback_only_namespace(tmp_path):
+    from engines_adapters.store.mooncake import loopback_only
+
+    if loopback_only() is None:
+        pytest.skip("this process already runs in a loopback-only network namespace")
+    p = _serve('[store]\nkind = "mooncake"\nstart_master = true\n[embedded]\nprefill = 1\ndecode = 1\n', tmp_path)
+    if "mooncake_master not found" in p.stderr:
+        pytest.skip("mooncake-transfer-engine-non-cuda is not installed")
+    assert p.returncode == 2 and "network namespace with only loopback up" in p.stderr, p.stderr
+
+
+def test_a_sim_engine_refuses_to_open_the_mooncake_client_outside_such_a_namespace():
+    from engines_adapters.store.mooncake import loopback_only
+    from tests.sim_helpers import run_cli
+
+    if loopback_only() is None:
+        pytest.skip("this process already runs in a loopback-only network namespace")
+    p = run_cli("--role", "prefill", "--port", "0", "--kv-store", "mooncake://127.0.0.1:1")
+    assert p.returncode == 2 and "unshare -n" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    p = run_cli("--role", "prefill", "--port", "0", "--kv-store", "mooncake://127.0.0.1")
+    assert p.returncode == 2 and "mooncake://HOST:PORT" in p.stderr
+
+
+def test_loopback_only_asks_the_interfaces_of_this_namespace():
+    from engines_adapters.store.mooncake import loopback_only
+
+    up = {"lo": True, "eth0": True, "eth1": False}
+    assert loopback_only(lambda: ["lo", "eth1"], lambda s, n: up[n]) is None
+    assert "eth0" in str(loopback_only(lambda: ["lo", "eth0", "eth1"], lambda s, n: up[n]))
+
+
+def test_a_payload_records_the_modelled_size_and_foreign_bytes_are_a_miss():
+    from engines_adapters.store.mooncake import decode_payload, encode_payload, parse_url
+
+    v = encode_payload(2 << 20, 64)
+    assert len(v) == 64 and decode_payload(v) == 2 << 20
+    assert decode_payload(b"") is None and decode_payload(b"x" * 64) is None
+    assert parse_url("mooncake://127.0.0.1:50051") == ("127.0.0.1", 50051)
+    for bad in ("http://127.0.0.1:1", "mooncake://127.0.0.1", "mooncake://:1", "mooncake://h:99999"):
+        with pytest.raises(ValueError):
+            parse_url(bad)
+
+
+@pytest.mark.parametrize("section, needle", [
+    ('kind = "redis"\nurl = "http://127.0.0.1:9003"', "kind must be sim or mooncake"),
+    ('start_master = true', 'need kind = "mooncake"'),
+    ('kind = "mooncake"\nstart_master = true\nurl = "http://127.0.0.1:9003"', "leave url and master_rpc out"),
+    ('kind = "mooncake"\nurl = "http://127.0.0.1:9003"\nmaster_rpc = "10.0.0.1:50051"', "loopback only"),
+    ('kind = "mooncake"\nstart_master = true\nmaster_args = "--x"', "master_args must be a list"),
+])
+def test_bad_mooncake_store_sections_are_named(section, needle):
+    import tomllib
+
+    from gateway.config import ConfigError, parse_config
+    with pytest.raises(ConfigError, match=needle):
+        parse_config(tomllib.loads("[store]\n" + section + "\n"))
