@@ -68,8 +68,10 @@ class MooncakeMaster:
         args = [self.binary, "--rpc_address=127.0.0.1", f"--rpc_port={self.rpc_port}",
                 "--metrics_host=127.0.0.1", f"--metrics_port={self.http_port}",
                 "--enable_http_metadata_server=false", *self.extra_args]
-        # its log goes where the gateway's does (as the embedded engines'): an operator sees why it failed
-        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        # its log goes where the gateway's does (as the embedded engines'): an operator sees why it
+        # failed; warnings and up only, unless GLOG_minloglevel says otherwise (INFO logs a summary often)
+        env = {"GLOG_minloglevel": "1", **os.environ}
+        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, env=env, preexec_fn=_die_with_parent)
         _LIVE.add(self.proc)
 
     def _healthy(self) -> bool:

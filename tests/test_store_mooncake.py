@@ -176,3 +176,38 @@ def test_bad_mooncake_store_sections_are_named(section, needle):
     from gateway.config import ConfigError, parse_config
     with pytest.raises(ConfigError, match=needle):
         parse_config(tomllib.loads("[store]\n" + section + "\n"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("mooncake") is None or ctypes.util.find_library("ibverbs") is None,
+                    reason="mooncake-transfer-engine-non-cuda (or libibverbs1) is not installed")
+def test_a_master_started_by_serve_does_not_outlive_a_killed_gateway(tmp_path):
+    """The master binds loopback only, so this runs in the host's namespace (engines off the store)."""
+    import time
+
+    import requests
+
+    from engines_adapters.net import free_port
+    from tests.servers import conductor, stop, wait_until
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[store]\nkind = "mooncake"\nstart_master = true\n'
+                   "[embedded]\nprefill = 1\ndecode = 1\nstore = false\n")
+    port = free_port()
+    p = conductor("serve", "--config", str(cfg), "--port", str(port))
+    try:
+        wait_until(f"http://127.0.0.1:{port}/ready", p)
+        master = requests.get(f"http://127.0.0.1:{port}/admin/store").json()["master"]
+        assert requests.get(master["http"] + "/health", timeout=2).json()["status"] == "ok"
+        if shutil.which("ss"):
+            listening = subprocess.run(["ss", "-ltnp"], capture_output=True, text=True).stdout.splitlines()
+            mine = [x.split()[3] for x in listening if f"pid={master['pid']}," in x]
+            assert mine and all(a.startswith("127.0.0.1:") for a in mine), mine  # nothing beyond loopback
+        p.kill()  # no shutdown at all: the master must still go (PR_SET_PDEATHSIG)
+        p.wait()
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/proc/{master['pid']}") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not os.path.exists(f"/proc/{master['pid']}")
+    finally:
+        stop(p)
