@@ -173,5 +173,9 @@ async def serve() -> dict:
 SCENARIOS = {"tier": main, "engines": engines, "serve": serve}
 
 if __name__ == "__main__":
+    from engines_adapters.store.mooncake import loopback_only, loopback_up
+
+    loopback_up()  # a fresh namespace has loopback down, and nothing else
+    assert loopback_only() is None, loopback_only()
     name = sys.argv[1] if len(sys.argv) > 1 else "tier"
     print("RESULT " + json.dumps(asyncio.run(SCENARIOS[name]())), flush=True)

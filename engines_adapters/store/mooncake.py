@@ -38,7 +38,7 @@ SCHEME = "mooncake://"
 #: payload header: magic, modelled bytes of the block's KV (u64 big endian)
 _HEADER = struct.Struct(">4sQ")
 _MAGIC = b"CSIM"
-IFF_UP, SIOCGIFFLAGS = 0x1, 0x8913  # <linux/if.h>, <linux/sockios.h>
+IFF_UP, SIOCGIFFLAGS, SIOCSIFFLAGS = 0x1, 0x8913, 0x8914  # <linux/if.h>, <linux/sockios.h>
 
 
 class MooncakeRefused(Exception):
@@ -57,7 +57,7 @@ def parse_url(url: str) -> tuple[str, int]:
 
 
 def _if_up(sock: socket.socket, name: str) -> bool:
-    flags = fcntl.ioctl(sock.fileno(), SIOCGIFFLAGS, struct.pack("256s", name.encode()[:15]))
+    flags = fcntl.ioctl(sock.fileno(), SIOCGIFFLAGS, struct.pack("16sH22x", name.encode()[:15], 0))
     return bool(struct.unpack_from("16sH", flags)[1] & IFF_UP)
 
 
@@ -72,6 +72,15 @@ def loopback_only(interfaces: Callable[[], list[str]] | None = None,
     except OSError as e:
         return f"cannot inspect the network interfaces: {e}"
     return f"network interfaces up besides loopback: {', '.join(up)}" if up else None
+
+
+def loopback_up() -> None:
+    """Bring ``lo`` up (``ip link set lo up`` without iproute2): the first thing to do in a fresh
+    ``unshare -n`` namespace, where it starts down. Needs CAP_NET_ADMIN there (root has it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        ifr = fcntl.ioctl(sock.fileno(), SIOCGIFFLAGS, struct.pack("16sH22x", b"lo", 0))
+        flags = struct.unpack_from("16sH", ifr)[1]
+        fcntl.ioctl(sock.fileno(), SIOCSIFFLAGS, struct.pack("16sH22x", b"lo", flags | IFF_UP))
 
 
 NETNS_HINT = ("the Mooncake client's transfer engine listens on all addresses: run inside a network namespace "
