@@ -116,6 +116,9 @@ async def engines() -> dict:
             tok = e1.post("/tokenize", {"messages": body["messages"]})[2]["tokens"]
             recipe = KeyRecipe("vllm", MODEL, BS, seed_text="0")  # vLLM's MooncakeStoreConnector keys
             out["engine_keys_held"] = sum(recipe.key(d) in keys for d in vllm_block_digests(tok, BS, seed_text="0"))
+            master.stop()  # the store goes away: the engines keep serving by recompute
+            st, _, r3 = e2.post("/v1/chat/completions", {**body, "messages": [{"role": "user", "content": "x " * 300}]})
+            out["after_master_stop"] = [st, r3.get("kv_store") if isinstance(r3, dict) else r3]
     finally:
         master.stop()
     return out

@@ -74,6 +74,7 @@ def test_a_prefix_computed_on_one_engine_is_loaded_from_the_real_master_on_anoth
     expected_s = 1e-4 + r["e2_get_modelled"] / (87e9 / 4)  # one RDMA transfer (store model defaults)
     assert r["e2_load_s"] == pytest.approx(expected_s, rel=1e-6)
     assert r["kv_store"]["load_s"] == pytest.approx(expected_s, rel=1e-6)
+    assert r["after_master_stop"] == [200, None]  # master gone: served by recompute, nothing loaded
 
 
 @pytest.mark.slow

@@ -13,7 +13,9 @@ so :class:`~engines_adapters.sim.store_link.StoreLink` drives either:
   the modelled transfer time is one Transfer Engine transfer of their recorded modelled bytes at the
   store model's rates (engines_adapters/store/model.py ``StoreSpec``: op latency + bytes / per-transfer
   bandwidth), in the engine's modelled seconds, as ``conductor sim-store`` answers;
-* ``health``: the client's ``health_check()`` once set up, a TCP connect to the master before.
+* ``health``: a TCP connect to the master, and the client's ``health_check()`` once set up.
+  Against a master that has gone, ``get`` finds nothing and ``put`` fails at once (the engine
+  recomputes); ``close`` then blocks in the client for seconds, hence its bound.
 
 The client's transfer engine listens on wildcard addresses (it cannot be told to bind loopback),
 so it only opens inside a network namespace whose only interface up is loopback
@@ -166,7 +168,8 @@ class MooncakeStoreClient:
     async def health(self) -> bool:
         try:
             store = await self._ensure()
-            return await self._call(store.health_check) == 0
+            # health_check() answers 0 from local state even when the master has gone: ask it too
+            return await self._run(self._reachable) and await self._call(store.health_check) == 0
         except StoreUnavailable:
             return False
 
