@@ -100,6 +100,9 @@ async def engines() -> dict:
             out["first_cached"] = r1["usage"]["prompt_tokens_details"]["cached_tokens"]
             blocks = (prompt - 1) // BS
             wait_until(lambda: metric("master_key_count") >= blocks, timeout=20, what="the write-through")
+            # the engine counts the bytes once put_batch has returned (after the master's PutEnd)
+            wait_until(lambda: e1.metric('sim:store_payload_bytes_total{op="put"}') > 0, timeout=20,
+                       what="the engine's put counters")
             out["key_count"] = metric("master_key_count")
             out["allocated_bytes"] = metric("master_allocated_bytes")
             out["e1_put_payload"] = e1.metric('sim:store_payload_bytes_total{op="put"}')
@@ -144,13 +147,15 @@ async def serve() -> dict:
         model = requests.get(g["url"] + "/v1/models").json()["data"][0]["id"]
         body = {"model": model, "messages": [{"role": "user", "content": "a long shared prompt about stores " * 120}],
                 "max_tokens": 2}
-        assert requests.post(g["url"] + "/v1/chat/completions", json=body, timeout=60).status_code == 200
+        r1 = requests.post(g["url"] + "/v1/chat/completions", json=body, timeout=60)
+        assert r1.status_code == 200, r1.text
+        out["blocks"] = blocks = (r1.json()["usage"]["prompt_tokens"] - 1) // BS
 
         def key_count() -> float:
             text = requests.get(master["http"] + "/metrics", timeout=2).text
             return next(float(x.split()[-1]) for x in text.splitlines() if x.startswith("master_key_count "))
         deadline = time.monotonic() + 20
-        while key_count() < 50 and time.monotonic() < deadline:
+        while key_count() < blocks and time.monotonic() < deadline:  # the whole write-through
             await asyncio.sleep(0.05)
         out["key_count"] = key_count()
         r2 = requests.post(g["url"] + "/v1/chat/completions", json=body, timeout=60)

@@ -15,12 +15,12 @@ so :class:`~engines_adapters.sim.store_link.StoreLink` drives either:
   bandwidth), in the engine's modelled seconds, as ``conductor sim-store`` answers;
 * ``health``: a TCP connect to the master, and the client's ``health_check()`` once set up.
   Against a master that has gone, ``get`` finds nothing and ``put`` fails at once (the engine
-  recomputes); ``close`` then blocks in the client for seconds, hence its bound.
+  recomputes); ``close`` would block in the client for seconds, so it is skipped then.
 
 The client's transfer engine listens on wildcard addresses (it cannot be told to bind loopback),
 so it only opens inside a network namespace whose only interface up is loopback
 (:func:`loopback_only`): ``unshare -n sh -c 'ip link set lo up && ...'`` (docs/store.md). Its calls
-block, so they run in a small thread pool; ``setup`` against a master that does not answer retries
+block, so they run on daemon threads (at most 8 at once); ``setup`` against a master that does not answer retries
 for about 90 s, hence the TCP probe first.
 """
 from __future__ import annotations
@@ -29,8 +29,8 @@ import asyncio
 import fcntl
 import socket
 import struct
+import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .client import StoreUnavailable
@@ -114,7 +114,7 @@ class MooncakeStoreClient:
         self.payload_bytes = max(_HEADER.size, payload_bytes_per_token * block_size)
         self.segment_bytes, self.local_buffer_bytes = segment_bytes, local_buffer_bytes
         self._store: Any = None
-        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="mooncake-client")
+        self._slots = threading.BoundedSemaphore(8)  # calls in flight in the client at once
         self._setup_lock = asyncio.Lock()
         # real bytes moved vs the KV they stand for (the engine's /metrics)
         self.put_payload_bytes = 0
@@ -124,7 +124,28 @@ class MooncakeStoreClient:
         self.foreign_values = 0
 
     async def _run(self, fn: Any, *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        """``fn(*args)`` on a daemon thread: a call stuck in the client (a master gone away) must
+        not hold the engine's exit, as a pool's worker threads would."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+
+        def settle(ok: bool, v: Any) -> None:
+            if not fut.done():
+                fut.set_result(v) if ok else fut.set_exception(v)
+
+        def work() -> None:
+            with self._slots:
+                try:
+                    ok, v = True, fn(*args)
+                except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
+                    ok, v = False, e
+            try:
+                loop.call_soon_threadsafe(settle, ok, v)
+            except RuntimeError:  # the loop has closed: nobody waits any more
+                pass
+
+        threading.Thread(target=work, name="mooncake-client", daemon=True).start()
+        return await fut
 
     async def _call(self, fn: Any, *args: Any) -> Any:
         """A data-path call, bounded: a master gone away makes the client retry for long."""
@@ -211,10 +232,10 @@ class MooncakeStoreClient:
         return found, self.spec.op_latency_s + modelled / self.spec.transfer_bytes_per_s
 
     async def close(self) -> None:
+        """Unmount from the master, bounded; skipped when it has gone (the client would retry)."""
         store, self._store = self._store, None
-        if store is not None:
+        if store is not None and await self._run(self._reachable):
             try:
-                await asyncio.wait_for(self._run(store.close), timeout=5.0)
-            except (asyncio.TimeoutError, RuntimeError):
+                await asyncio.wait_for(self._run(store.close), timeout=self.timeout_s)
+            except asyncio.TimeoutError:
                 pass
-        self._pool.shutdown(wait=False, cancel_futures=True)
