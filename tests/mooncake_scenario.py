@@ -151,20 +151,26 @@ async def serve() -> dict:
         assert r1.status_code == 200, r1.text
         out["blocks"] = blocks = (r1.json()["usage"]["prompt_tokens"] - 1) // BS
 
-        def key_count() -> float:
-            text = requests.get(master["http"] + "/metrics", timeout=2).text
-            return next(float(x.split()[-1]) for x in text.splitlines() if x.startswith("master_key_count "))
+        def sample(url: str, name: str) -> float:
+            text = requests.get(url + "/metrics", timeout=2).text
+            return next((float(x.split()[-1]) for x in text.splitlines() if x.startswith(name + " ")), 0.0)
+        # the whole write-through: the master counts a key from its PutStart, /batch_query_keys only
+        # once its PutEnd is in, and the engine counts the bytes after put_batch returns (after both)
+        engine = next(i["url"] for i in requests.get(g["url"] + "/admin/cluster").json()["instances"]
+                      if i["id"] == "prefill-1")
         deadline = time.monotonic() + 20
-        while key_count() < blocks and time.monotonic() < deadline:  # the whole write-through
+        while (sample(engine, 'sim:store_payload_bytes_total{op="put"}') < blocks * 64
+               and time.monotonic() < deadline):
             await asyncio.sleep(0.05)
-        out["key_count"] = key_count()
+        out["key_count"] = sample(master["http"], "master_key_count")
         r2 = requests.post(g["url"] + "/v1/chat/completions", json=body, timeout=60)
         assert r2.status_code == 200, r2.text
         d1, d2 = requests.get(g["url"] + "/admin/decisions?limit=2").json()["decisions"]
         out["prefills"] = [d1["chosen"]["prefill"], d2["chosen"]["prefill"]]
         out["d2"] = {"store_hit_tokens": d2["store_hit_tokens"], "transfer_from": d2["terms"]["transfer_from"],
                      "store_load": d2.get("store_load")}
-        out["tier_queries"] = requests.get(g["url"] + "/admin/store").json()["queries"]
+        st = requests.get(g["url"] + "/admin/store").json()
+        out["tier_queries"], out["tier_resyncs"], out["tier_stale"] = st["queries"], st["resyncs"], st["stale"]
     try:
         os.kill(master["pid"], 0)
         out["master_alive_after_stop"] = True
