@@ -120,12 +120,14 @@ def test_the_master_is_looked_up_beside_python_then_on_path(tmp_path):
     assert find_master(search=["/nonexistent", str(tmp_path)]) == str(binary)
 
 
-def test_embedded_engines_on_a_real_master_need_a_loopback_only_namespace(tmp_path):
+@pytest.mark.parametrize("store", ["start_master = true",  # started, or attached by its RPC address
+                                   'url = "http://127.0.0.1:9"\nmaster_rpc = "127.0.0.1:9"'])
+def test_embedded_engines_on_a_real_master_need_a_loopback_only_namespace(tmp_path, store):
     from engines_adapters.store.mooncake import loopback_only
 
     if loopback_only() is None:
         pytest.skip("this process already runs in a loopback-only network namespace")
-    p = _serve('[store]\nkind = "mooncake"\nstart_master = true\n[embedded]\nprefill = 1\ndecode = 1\n', tmp_path)
+    p = _serve(f'[store]\nkind = "mooncake"\n{store}\n[embedded]\nprefill = 1\ndecode = 1\n', tmp_path)
     if "mooncake_master not found" in p.stderr:
         pytest.skip("mooncake-transfer-engine-non-cuda is not installed")
     assert p.returncode == 2 and "network namespace with only loopback up" in p.stderr, p.stderr
