@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import sys
 from bisect import bisect_right
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import accumulate, repeat
 from operator import and_, neg, or_
@@ -52,6 +53,10 @@ TIER_NAMES = TIERS
 
 #: KV-event ``medium`` -> tier (vLLM: GPU, CPU; SGLang: GPU, CPU_PINNED, DISK, EXTERNAL).
 MEDIUM_TIERS = {"GPU": _DEV, "CPU": _HOST, "CPU_PINNED": _HOST, "DISK": _STORE, "EXTERNAL": _STORE}
+#: Exact lower-case media of the Mooncake store: vLLM's MooncakeStoreConnector announces blocks it
+#: wrote there as ``cpu`` (the master's own events say ``cpu``/``disk``), unlike the upper-case
+#: ``CPU`` of vLLM's host-memory offloading; so case decides before the case-blind table.
+STORE_MEDIA = {"cpu": _STORE, "disk": _STORE}
 
 #: Default bound on blocks per instance (all tiers) when the caller gives none.
 DEFAULT_MAX_BLOCKS = 1 << 20
@@ -67,7 +72,8 @@ def tier_of(medium: str | None) -> int | None:
         return _DEV
     if not isinstance(medium, str):
         return None
-    return MEDIUM_TIERS.get(medium.upper())
+    t = STORE_MEDIA.get(medium)
+    return t if t is not None else MEDIUM_TIERS.get(medium.upper())
 
 
 @dataclass(slots=True)
@@ -415,10 +421,9 @@ class HitIndex:
             ids = self._ids
             alive_l = alive_d = self._all
             dget, hget = dev.get, host.get
-            start, step = 0, _FIRST_CHUNK
-            while start < n and alive_l:
-                end = min(n, start + step)
-                step *= 2
+            for start, end in _chunks(n):
+                if not alive_l:
+                    break
                 chunk = hashes[start:end]
                 d = list(map(dget, chunk, repeat(0, end - start)))
                 acc = list(accumulate(d, and_, initial=alive_d))
@@ -430,7 +435,6 @@ class HitIndex:
                     loc = list(map(or_, d, map(hget, chunk, repeat(0, end - start))))
                     alive_l = _scan(list(accumulate(loc, and_, initial=alive_l)), start, out.local, ids)
                     alive_d = _scan(acc, start, out.device, ids)
-                start = end
             if alive_d:
                 _record(out.device, alive_d, n, ids)
             if host:
@@ -450,6 +454,26 @@ class HitIndex:
                     break
                 start = end
             out.store = min(start, n)
+        return out
+
+    def match_held(self, hashes: list[int], limit: int | None = None) -> dict[str, int]:
+        """Per instance, the longest prefix (blocks) it holds in any tier: its device, its host
+        memory, or blocks its own KV events announced as written to the shared store. The
+        indexer API's per-instance ``CPU`` answer (a Mooncake store is pooled host DRAM); the
+        scheduler uses :meth:`match`, where the store is everyone's."""
+        n = len(hashes) if limit is None else max(0, min(limit, len(hashes)))
+        out: dict[str, int] = {}
+        dget, hget, sget = (t.get for t in self._tiers)
+        alive, ids = self._all, self._ids
+        for start, end in _chunks(n):
+            if not alive:
+                break
+            chunk = hashes[start:end]
+            local = map(or_, map(dget, chunk, repeat(0)), map(hget, chunk, repeat(0)))
+            held = map(or_, local, map(sget, chunk, repeat(0)))
+            alive = _scan(list(accumulate(held, and_, initial=alive)), start, out, ids)
+        if alive:
+            _record(out, alive, n, ids)
         return out
 
     # --- reporting ----------------------------------------------------------------------
@@ -475,6 +499,16 @@ class HitIndex:
         for groups in self._groups.values():  # hybrid-model instances: a (tier, hash) tuple and a mask each
             total += sys.getsizeof(groups) + len(groups) * (sys.getsizeof((0, 0)) + _INT_BYTES)
         return total
+
+
+def _chunks(n: int) -> Iterator[tuple[int, int]]:
+    """``(start, end)`` of the growing chunks a walk over ``n`` blocks takes: a miss near the
+    front costs a short chunk, a long hit few round trips into C."""
+    start, step = 0, _FIRST_CHUNK
+    while start < n:
+        end = min(n, start + step)
+        yield start, end
+        start, step = end, step * 2
 
 
 def _scan(acc: list[int], offset: int, out: dict[str, int], ids: list[str | None]) -> int:

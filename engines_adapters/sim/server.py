@@ -106,6 +106,9 @@ def build_parser() -> Parser:
                    help="shared KV store (conductor sim-store): load prefixes from it, write prompts through")
     p.add_argument("--kv-store-recipe", choices=("vllm", "sglang"), default="vllm",
                    help="store key format: vLLM's MooncakeStoreConnector or SGLang HiCache's (default vllm)")
+    p.add_argument("--kv-store-write", choices=("through", "back"), default="through",
+                   help="when blocks reach the store: after each prefill (through, HiCache's write_through "
+                        "default) or when the device evicts them (back, HiCache's write_back)")
     p.add_argument("--kv-store-optional", action="store_true",
                    help="start even if the store is unreachable (warn; load and write when it answers)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* as vLLM does")
@@ -202,6 +205,7 @@ def _engine(args: argparse.Namespace) -> EngineModel:
             max_num_seqs=args.max_num_seqs, kv_capacity_tokens=args.kv_capacity_tokens,
             host_tier_tokens=args.host_tier_tokens, seed=args.seed, noise=args.noise,
             kv_events=bool(args.kv_events), kv_hold_timeout=args.kv_hold_timeout, store_writes=bool(args.kv_store),
+            store_policy="write_back" if args.kv_store and args.kv_store_write == "back" else "write_through",
             event_hashes="sglang" if args.flavor == "sglang" else "vllm",
             median_output=args.median_output_tokens, max_model_len=args.max_model_len,
             hash_algo=args.prefix_caching_hash_algo,
@@ -216,7 +220,8 @@ async def _serve(args: argparse.Namespace, engine: EngineModel, publisher: KVEve
     name = names[0]
     store = None
     if args.kv_store:
-        store = StoreLink(args.kv_store, engine, engine.profile.model["name"], args.kv_store_recipe)
+        store = StoreLink(args.kv_store, engine, engine.profile.model["name"], args.kv_store_recipe,
+                          write=args.kv_store_write)
         if not await store.open():
             if not args.kv_store_optional:
                 await store.close()
@@ -265,6 +270,8 @@ async def _serve(args: argparse.Namespace, engine: EngineModel, publisher: KVEve
         api = OpenAIApi(info, driver, metrics, puller)
     if store is not None:
         driver.on_store_writes = store.write
+        driver.on_store_evicted = store.evicted
+        store.announcer.kick = driver.kick
         api.store = store
     app = web.Application(client_max_size=256 * 1024 * 1024,
                           middlewares=[api_key_middleware(args.api_key)] if args.api_key else [])

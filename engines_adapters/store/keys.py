@@ -9,6 +9,13 @@ Two recipes (read from the engines' sources; see docs/store.md and docs/protocol
   ``{model with / -> -}_{page hash hex}_0_k`` and ``..._0_v``, the page hash being SGLang's
   SHA-256 chain over the page's tokens as u32 little-endian.
 
+Namespaces (a request's ``cache_salt`` and LoRA adapter) enter the digests exactly as the engine's
+own chain takes them, so two tenants never share a store object and one tenant's repeat does:
+vLLM's extra keys (the adapter's name on every block, the salt on the request's first block;
+docs/protocols.md §3), SGLang's namespace seed ``SHA256("sglang-cache-namespace-v1" || parts)``
+that the first page chains from (parts: the extra key, here the adapter, then the salt; each
+``0x00`` when absent, else ``0x01``, its UTF-8 length as u64 LE, the bytes).
+
 A router and an engine both need "the keys of this prompt's blocks". Computing a SHA-256 chain per
 request costs microseconds per block; prompts share prefixes, so :class:`KeyBook` remembers each
 block's digest by our own index hash (``scheduler.hashing.block_hashes``, already computed per
@@ -24,6 +31,27 @@ from collections.abc import Container, Sequence
 from scheduler.hashing import vllm_block_digests, vllm_none_hash
 
 RECIPES = ("vllm", "sglang")
+
+#: A request's prefix-cache namespace: (cache_salt, lora adapter name), or None for the base one.
+Namespace = tuple[str | None, str | None] | None
+
+
+_SGLANG_NS = b"sglang-cache-namespace-v1"
+
+
+def sglang_namespace_seed(extra_key: str | None, cache_salt: str | None) -> bytes | None:
+    """The digest a namespaced request's first page chains from in SGLang's storage keys (None:
+    no namespace, the first page has no prior)."""
+    if not extra_key and not cache_salt:
+        return None
+    h = hashlib.sha256(_SGLANG_NS)
+    for part in (extra_key, cache_salt):
+        if not part:
+            h.update(b"\x00")
+        else:
+            raw = part.encode("utf-8", "surrogatepass")
+            h.update(b"\x01" + len(raw).to_bytes(8, "little") + raw)
+    return h.digest()
 
 
 def sglang_page_digests(tokens: Sequence[int], page_size: int, parent: bytes | None = None) -> list[bytes]:
@@ -58,10 +86,15 @@ class KeyRecipe:
             self._prefix = f"{model.replace('/', '-')}_"
             self.root = None
 
-    def digests(self, tokens: Sequence[int], parent: bytes | None) -> list[bytes]:
+    def digests(self, tokens: Sequence[int], parent: bytes | None, ns: Namespace = None) -> list[bytes]:
+        """Digests of ``tokens``' blocks chained from ``parent`` (None: the request's first block);
+        ``ns``: the request's (cache salt, LoRA adapter), or None."""
+        salt, lora = ns or (None, None)
         if self.recipe == "vllm":
             return vllm_block_digests(tokens, self.block_size, parent=parent if parent is not None else self.root,
-                                      algo=self.algo)
+                                      algo=self.algo, lora_name=lora, cache_salt=salt, first=parent is None)
+        if parent is None and (salt or lora):
+            parent = sglang_namespace_seed(lora, salt)
         return sglang_page_digests(tokens, self.block_size, parent)
 
     def key(self, digest: bytes) -> str:
@@ -102,8 +135,10 @@ class KeyBook:
         self._memo: OrderedDict[int, bytes] = OrderedDict()  # index hash -> engine block digest
         self.hashed = 0  # blocks hashed (memo misses)
 
-    def digests(self, tokens: Sequence[int], index_hashes: Sequence[int], limit: int | None = None) -> list[bytes]:
-        """Engine digests of the first ``limit`` blocks (default all ``index_hashes``)."""
+    def digests(self, tokens: Sequence[int], index_hashes: Sequence[int], limit: int | None = None,
+                ns: Namespace = None) -> list[bytes]:
+        """Engine digests of the first ``limit`` blocks (default all ``index_hashes``); the memo
+        is keyed by index hashes, which already differ per namespace (``ns``)."""
         n = len(index_hashes) if limit is None else min(limit, len(index_hashes))
         memo = self._memo
         out: list[bytes] = []
@@ -115,7 +150,7 @@ class KeyBook:
         if len(out) < n:
             bs = self.recipe.block_size
             start = len(out)
-            fresh = self.recipe.digests(tokens[start * bs:n * bs], out[-1] if out else None)
+            fresh = self.recipe.digests(tokens[start * bs:n * bs], out[-1] if out else None, ns)
             self.hashed += len(fresh)
             for h, d in zip(index_hashes[start:n], fresh, strict=True):
                 memo[h] = d
@@ -125,7 +160,7 @@ class KeyBook:
         return out
 
     def held_prefix(self, tokens: Sequence[int], index_hashes: Sequence[int], n: int, held: Container[bytes],
-                    start: int = 0) -> int:
+                    start: int = 0, ns: Namespace = None) -> int:
         """Leading blocks (of the first ``n``) whose digest is in ``held``, hashing lazily: a block
         not yet remembered is hashed only if every block before it is held, so a miss costs at
         most one SHA-256 (call :meth:`digests` later, off the hot path, to remember the rest).
@@ -148,7 +183,7 @@ class KeyBook:
         parent = memo.get(index_hashes[k - 1]) if k else None
         bs = self.recipe.block_size
         while k < n:
-            d = self.recipe.digests(tokens[k * bs:(k + 1) * bs], parent)[0]
+            d = self.recipe.digests(tokens[k * bs:(k + 1) * bs], parent, ns)[0]
             self.hashed += 1
             memo[index_hashes[k]] = d
             if d not in held:
@@ -159,6 +194,7 @@ class KeyBook:
                 memo.popitem(last=False)
         return k
 
-    def keys(self, tokens: Sequence[int], index_hashes: Sequence[int], limit: int | None = None) -> list[str]:
+    def keys(self, tokens: Sequence[int], index_hashes: Sequence[int], limit: int | None = None,
+             ns: Namespace = None) -> list[str]:
         key = self.recipe.key
-        return [key(d) for d in self.digests(tokens, index_hashes, limit)]
+        return [key(d) for d in self.digests(tokens, index_hashes, limit, ns)]
