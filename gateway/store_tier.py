@@ -10,7 +10,8 @@ Two ways to know, as Mooncake-aware routers do (docs/store.md):
   cache already knows, stopping at the first miss.
 
 Keys are the engines' own (engines_adapters/store/keys.py: vLLM's MooncakeStoreConnector or
-SGLang HiCache's recipe), computed once per distinct block thanks to a memo by our index hash.
+SGLang HiCache's recipe, a salted or LoRA request's namespace folded in as the engine folds it),
+computed once per distinct block thanks to a memo by our (namespaced) index hash.
 A store that stops answering marks the tier stale: lookups return None (the decision goes on
 without the store) until a health check succeeds, which resyncs (events: every key again).
 """
@@ -27,7 +28,7 @@ import zmq.asyncio
 
 from engines_adapters.store.client import StoreClient, StoreUnavailable
 from engines_adapters.store.events import StoreEventError, decode_payload
-from engines_adapters.store.keys import KeyBook, KeyRecipe
+from engines_adapters.store.keys import KeyBook, KeyRecipe, Namespace
 from gateway.config import StoreConfig
 
 log = logging.getLogger("conductor.store")
@@ -146,16 +147,18 @@ class StoreTier:
                     self._held_idx.discard(h)
 
     # --- the per-request lookup ----------------------------------------------------------------
-    async def lookup(self, tokens: list[int], hashes: list[int], usable: int) -> int | None:
-        """Leading blocks (of the first ``usable``) the store holds; None while the tier is stale."""
+    async def lookup(self, tokens: list[int], hashes: list[int], usable: int, ns: Namespace = None) -> int | None:
+        """Leading blocks (of the first ``usable``) the store holds; None while the tier is stale.
+        ``ns``: the request's (cache salt, LoRA adapter) when it has one (``hashes`` are then its
+        namespaced chain)."""
         if self.stale or usable <= 0:
             return None
         t0 = time.perf_counter()
         try:
             if self.mode == "events":
-                n = self.held_prefix(tokens, hashes, usable)
+                n = self.held_prefix(tokens, hashes, usable, ns)
             else:
-                n = await self._query(tokens, hashes, usable)
+                n = await self._query(tokens, hashes, usable, ns)
         except StoreUnavailable as e:
             self._drop(str(e))
             return None
@@ -163,7 +166,7 @@ class StoreTier:
         self.lookup_s.append(time.perf_counter() - t0)
         return n
 
-    def held_prefix(self, tokens: list[int], hashes: list[int], usable: int) -> int:
+    def held_prefix(self, tokens: list[int], hashes: list[int], usable: int, ns: Namespace = None) -> int:
         """Events mode, synchronous: leading memoised digests in the resident set."""
         held = self._held_idx.__contains__
         k, step = 0, 32
@@ -178,11 +181,12 @@ class StoreTier:
             return k
         # beyond: digests (remembered, or hashed now up to the first miss); after this decision,
         # remember the held ones by index hash and the rest of the prompt's digests (its next turn)
-        n = self.book.held_prefix(tokens, hashes, usable, self.resident, start=k)
-        asyncio.get_running_loop().call_soon(self._remember, tokens, hashes, k, n, usable)
+        n = self.book.held_prefix(tokens, hashes, usable, self.resident, start=k, ns=ns)
+        asyncio.get_running_loop().call_soon(self._remember, tokens, hashes, k, n, usable, ns)
         return n
 
-    def _remember(self, tokens: list[int], hashes: list[int], k: int, n: int, usable: int) -> None:
+    def _remember(self, tokens: list[int], hashes: list[int], k: int, n: int, usable: int,
+                  ns: Namespace = None) -> None:
         memo, resident = self.book._memo, self.resident
         for h in hashes[k:n]:
             d = memo.get(h)
@@ -190,11 +194,11 @@ class StoreTier:
                 self._held_idx.add(h)
                 self._idx_of[d] = h
         if n < usable and hashes[usable - 1] not in memo:
-            self.book.digests(tokens, hashes, usable)
+            self.book.digests(tokens, hashes, usable, ns)
 
-    async def _query(self, tokens: list[int], hashes: list[int], usable: int) -> int:
+    async def _query(self, tokens: list[int], hashes: list[int], usable: int, ns: Namespace = None) -> int:
         assert self.client is not None
-        keys = self.book.keys(tokens, hashes, usable)
+        keys = self.book.keys(tokens, hashes, usable, ns)
         now = time.monotonic()
         cache = self._cache
         n = 0

@@ -160,3 +160,47 @@ def test_a_store_with_configured_engines_needs_the_model_name():
         parse_config(tomllib.loads('[store]\nurl = "http://127.0.0.1:9003"\n' + eng))
     cfg = parse_config(tomllib.loads('[store]\nurl = "http://127.0.0.1:9003"\nmodel = "m"\n' + eng))
     assert cfg.store is not None and cfg.store.model == "m" and cfg.store.kv_events is None
+
+
+@pytest.mark.parametrize("mode", ["events", "query"])
+def test_salted_and_lora_lookups_find_their_own_namespaces_objects_only(mode):
+    """The gateway looks a salted or LoRA request up under its namespace's keys (vLLM's extra
+    keys in the digests): one tenant's objects are found by its repeat, never by another tenant
+    or the base namespace."""
+    from scheduler.hashing import namespace_parent
+    port, events = free_port(), free_port()
+    proc = start_store(port, events if mode == "events" else None)
+
+    async def run():
+        cfg = StoreConfig(url=f"http://127.0.0.1:{port}", model=MODEL, cache_ttl_s=0.0,
+                          kv_events=f"tcp://127.0.0.1:{events}" if mode == "events" else None)
+        tier = StoreTier(cfg, BS, MODEL)
+        assert await tier.start()
+        tokens, base_hashes, _ = prompt_keys(20)
+        recipe = KeyRecipe("vllm", MODEL, BS, seed_text="0")
+        a_keys = [recipe.key(d) for d in vllm_block_digests(tokens, BS, seed_text="0", cache_salt="tenant-a")]
+        await asyncio.sleep(0.2)  # events: the subscription settles
+        await tier.client.put(a_keys[:12], [1000] * 12)
+
+        def chain(salt=None, lora=None):
+            return block_hashes(tokens, BS, parent=namespace_parent(salt, lora))
+
+        async def found(salt=None, lora=None):
+            ns = (salt, lora) if salt or lora else None
+            return await tier.lookup(tokens, chain(salt, lora), 20, ns)
+        await _wait(lambda: _eq(found("tenant-a"), 12))
+        assert await found("tenant-b") == 0 and await found() == 0 and await found(None, "sql") == 0
+        lora_keys = [recipe.key(d) for d in vllm_block_digests(tokens, BS, seed_text="0", lora_name="sql")]
+        await tier.client.put(lora_keys[:9], [1000] * 9)
+        await _wait(lambda: _eq(found(None, "sql"), 9))
+        assert await found("tenant-a") == 12 and await found() == 0
+        await tier.stop()
+
+    try:
+        asyncio.run(run())
+    finally:
+        stop(proc)
+
+
+async def _eq(aw, want) -> bool:
+    return await aw == want
