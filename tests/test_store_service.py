@@ -139,12 +139,12 @@ def test_live_write_back_salted_keys_and_store_medium_events():
             assert store.metric("master_put_start_requests_total") == 0 and store.metric("master_key_count") == 0
             complete(e1, b)  # needs the room: a's blocks are evicted and written back
             wait_until(lambda: store.metric("master_key_count") > 0, what="the write-back")
-            stored = {}
+            stored: set[int] = set()
             while sub.poll(2000):
                 _, _, payload = sub.recv_multipart()
                 for ev in decode_batch(payload)[1]:
                     if type(ev).__name__ == "BlockStored" and ev.medium == "cpu":
-                        stored.update(zip(ev.block_hashes, range(len(ev.block_hashes))))
+                        stored.update(ev.block_hashes)
                 if len(stored) >= store.metric("master_key_count"):
                     break
             assert len(stored) == store.metric("master_key_count")
