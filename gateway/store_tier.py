@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 
 import aiohttp
 import zmq
@@ -30,6 +30,7 @@ from engines_adapters.store.client import StoreClient, StoreUnavailable
 from engines_adapters.store.events import StoreEventError, decode_payload
 from engines_adapters.store.keys import KeyBook, KeyRecipe, Namespace
 from gateway.config import StoreConfig
+from scheduler.prefix_runs import HeldPrefixes
 
 log = logging.getLogger("conductor.store")
 
@@ -41,10 +42,15 @@ class StoreTier:
         self.book = KeyBook(self.recipe)
         self.mode = "events" if cfg.kv_events else "query"
         self.resident: set[bytes] = set()  # events mode: digests of blocks the store holds
-        # the same blocks by our index hash, for those a lookup has mapped already: the walk over
-        # a long prompt is then one C-speed pass (a digest per block would be three)
-        self._held_idx: set[int] = set()
-        self._idx_of: dict[bytes, int] = {}
+        # the same blocks by our index hash, for those a lookup has mapped already, kept
+        # prefix-closed (a block is in only while its whole prefix is held): a prompt's mapped
+        # prefix is then found by bisection, a few probes however long it is
+        self._held = HeldPrefixes()
+        self._idx_of: dict[bytes, int] = {}  # digest -> index hash, for the blocks mapped
+        # blocks of prompts looked up and not (yet) held: when the store's events bring one in
+        # (the prefill's write-through), it is mapped at once, so the next turn bisects past it
+        self._pending: OrderedDict[bytes, tuple[int, int | None]] = OrderedDict()  # digest -> (hash, parent)
+        self.max_pending = 1 << 20
         self._cache: dict[str, tuple[bool, float]] = {}  # query mode: key -> (held, expires)
         self.stale = True
         self.client: StoreClient | None = None
@@ -103,8 +109,9 @@ class StoreTier:
             assert self.client is not None
             digest_of = self.recipe.digest_of
             self.resident = {d for d in map(digest_of, await self.client.all_keys()) if d is not None}
-            self._held_idx.clear()
+            self._held.clear()
             self._idx_of.clear()
+            self._pending.clear()
 
     async def _subscribe(self) -> None:
         assert self._zmq is not None and self.cfg.kv_events
@@ -140,11 +147,14 @@ class StoreTier:
             self.events += 1
             if ev.kind == "stored":
                 self.resident.add(d)
+                p = self._pending.pop(d, None)
+                if p is not None and self._held.add_child(p[1], p[0]):
+                    self._idx_of[d] = p[0]
             else:
                 self.resident.discard(d)
                 h = self._idx_of.pop(d, None)
                 if h is not None:
-                    self._held_idx.discard(h)
+                    self._held.remove(h)  # and the mapped blocks after it: their prefix is broken
 
     # --- the per-request lookup ----------------------------------------------------------------
     async def lookup(self, tokens: list[int], hashes: list[int], usable: int, ns: Namespace = None) -> int | None:
@@ -168,33 +178,37 @@ class StoreTier:
 
     def held_prefix(self, tokens: list[int], hashes: list[int], usable: int, ns: Namespace = None) -> int:
         """Events mode, synchronous: leading memoised digests in the resident set."""
-        held = self._held_idx.__contains__
-        k, step = 0, 32
-        while k < usable:  # the blocks mapped already, in growing chunks
-            flags = list(map(held, hashes[k:min(usable, k + step)]))
-            if not all(flags):
-                k += flags.index(False)
-                break
-            k += len(flags)
-            step *= 2
+        k = self._held.known(hashes, usable)  # the blocks mapped already
         if k == usable:
-            return k
-        # beyond: digests (remembered, or hashed now up to the first miss); after this decision,
-        # remember the held ones by index hash and the rest of the prompt's digests (its next turn)
-        n = self.book.held_prefix(tokens, hashes, usable, self.resident, start=k, ns=ns)
+            n = k
+        else:  # beyond: digests (remembered, or hashed now up to the first miss)
+            n = self.book.held_prefix(tokens, hashes, usable, self.resident, start=k, ns=ns)
+        # after this decision: remember the held ones by index hash, the run, and the rest of the
+        # prompt's digests (its next turn)
         asyncio.get_running_loop().call_soon(self._remember, tokens, hashes, k, n, usable, ns)
         return n
 
     def _remember(self, tokens: list[int], hashes: list[int], k: int, n: int, usable: int,
                   ns: Namespace = None) -> None:
         memo, resident = self.book._memo, self.resident
-        for h in hashes[k:n]:
+        for i in range(k, n):
+            h = hashes[i]
             d = memo.get(h)
-            if d is not None and d in resident:  # still held (an event may have come since)
-                self._held_idx.add(h)
-                self._idx_of[d] = h
-        if n < usable and hashes[usable - 1] not in memo:
-            self.book.digests(tokens, hashes, usable, ns)
+            if d is None or d not in resident:  # gone since the lookup (an event came): the run ends here
+                n = i
+                break
+            self._idx_of[d] = h
+        self._held.add_run(hashes, k, n)  # (nothing if a block before k left meanwhile)
+        if n < usable:
+            if hashes[usable - 1] not in memo:
+                self.book.digests(tokens, hashes, usable, ns)
+            pending = self._pending
+            for i in range(n, usable):  # mapped as soon as the store says it holds them
+                d = memo.get(hashes[i])
+                if d is not None:
+                    pending[d] = (hashes[i], hashes[i - 1] if i else None)
+            while len(pending) > self.max_pending:
+                pending.popitem(last=False)
 
     async def _query(self, tokens: list[int], hashes: list[int], usable: int, ns: Namespace = None) -> int:
         assert self.client is not None

@@ -404,8 +404,12 @@ class HitIndex:
             self._multi -= 1
 
     # --- lookups ------------------------------------------------------------------------
-    def match(self, hashes: list[int], limit: int | None = None) -> Match:
+    def match(self, hashes: list[int], limit: int | None = None, store: bool = True) -> Match:
         """Longest contiguous prefix (in blocks) per instance and in the store, first miss stops.
+
+        ``store=False``: leave the store tier alone (``Match.store`` 0): the caller knows the
+        store's answer from the store itself (the gateway's live store tier), which the engines'
+        store-medium events only echo.
 
         ``limit`` caps the blocks looked at (an engine never reuses the block holding the
         prompt's last token, so the scheduler passes ``(prompt_tokens - 1) // block_size``).
@@ -415,7 +419,7 @@ class HitIndex:
         only consulted for chunks where some live holder is (or may become) host-only.
         """
         n = len(hashes) if limit is None else max(0, min(limit, len(hashes)))
-        dev, host, store = self._tiers
+        dev, host, stored = self._tiers
         out = Match()
         if n and (dev or host):
             ids = self._ids
@@ -442,8 +446,8 @@ class HitIndex:
                     _record(out.local, alive_l, n, ids)
             else:
                 out.local = dict(out.device)
-        if n and store:
-            contains = store.__contains__
+        if n and store and stored:
+            contains = stored.__contains__
             start, step = 0, _FIRST_CHUNK
             while start < n:
                 end = min(n, start + step)

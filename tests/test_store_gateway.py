@@ -204,3 +204,26 @@ def test_salted_and_lora_lookups_find_their_own_namespaces_objects_only(mode):
 
 async def _eq(aw, want) -> bool:
     return await aw == want
+
+
+def test_a_next_turn_finds_the_mapped_prefix_and_a_removal_since_cuts_it():
+    """Events mode without a process: the resident set is fed as the master's events would."""
+    from engines_adapters.store.events import StoreEvent
+    tier = StoreTier(StoreConfig(url="http://127.0.0.1:1", kv_events="tcp://127.0.0.1:1", model=MODEL), BS, MODEL)
+    tier.stale = False
+    tokens, hashes, keys = prompt_keys(60)
+    turn1 = tokens[:40 * BS + 1]
+
+    async def run():
+        tier.apply([StoreEvent("stored", k, "cpu", []) for k in keys[:40]])
+        assert await tier.lookup(turn1, hashes[:40], 40) == 40
+        await asyncio.sleep(0)  # the deferred bookkeeping
+        tier.apply([StoreEvent("stored", k, "cpu", []) for k in keys[40:]])
+        assert await tier.lookup(tokens, hashes, 59) == 59 and len(tier._held) == 40  # (59 once remembered)
+        await asyncio.sleep(0)
+        tier.apply([StoreEvent("removed", keys[17], "cpu", [])])
+        assert await tier.lookup(tokens, hashes, 59) == 17 and len(tier._held) == 17
+        await asyncio.sleep(0)
+        tier.apply([StoreEvent("stored", keys[17], "cpu", [])])  # back: the walk goes on past the cut
+        assert await tier.lookup(tokens, hashes, 59) == 59
+    asyncio.run(run())
