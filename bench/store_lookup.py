@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import resource
 import statistics
 import sys
 import time
@@ -119,8 +120,18 @@ async def main() -> None:
 
     gc.collect()
     gc.freeze()  # as the gateway does after start-up
-    wall_t, cpu_t, wall_i, cpu_i, sizes, found, in_gc = [], [], [], [], [], [], []
+    wall_t: list[int] = []
+    cpu_t: list[int] = []
+    wall_i: list[int] = []
+    cpu_i: list[int] = []
+    sizes: list[int] = []
+    found: list[tuple[int, int]] = []
+    in_gc: list[bool] = []
+    preempted: list[bool] = []  # an involuntary context switch during the lookup (getrusage, per thread)
+    ru = resource.getrusage
+    who = resource.RUSAGE_THREAD
     gcs = sum(s["collections"] for s in gc.get_stats())
+    hashed = tier.book.hashed
     gc_runs = [0]
 
     def on_gc(phase: str, info: dict) -> None:
@@ -134,9 +145,11 @@ async def main() -> None:
         except StopIteration:
             break
         g0 = gc_runs[0]
+        cs0 = ru(who).ru_nivcsw
         w0, c0 = wns(), tns()
         n = await tier.lookup(tokens, hashes, usable)
         w1, c1 = wns(), tns()
+        preempted.append(ru(who).ru_nivcsw != cs0)
         m = index.match(hashes, usable)
         w2, c2 = wns(), tns()
         in_gc.append(gc_runs[0] != g0)
@@ -149,6 +162,7 @@ async def main() -> None:
         await asyncio.sleep(0)
         store.write(tokens, hashes)
     gcs = sum(s["collections"] for s in gc.get_stats()) - gcs
+    hashed = tier.book.hashed - hashed
     gc.callbacks.remove(on_gc)
     both_w = [x + y for x, y in zip(wall_t, wall_i, strict=True)]
     both_c = [x + y for x, y in zip(cpu_t, cpu_i, strict=True)]
@@ -157,14 +171,19 @@ async def main() -> None:
     print(f"{len(sizes)} timed lookups (trace order, store full and evicting): prompt blocks p50 {sb[len(sb) // 2]}, "
           f"p99 {sb[int(.99 * len(sb))]}, max {sb[-1]}; store prefix hit {hit:.1%} of usable blocks; "
           f"{tier._held.bisections} lookups bisected; {gcs} GC collections while timing, "
-          f"{sum(in_gc)} of them inside a timed lookup")
-    print(line("store tier lookup (StoreTier)", wall_t, cpu_t))
-    print(line("hit index match (store walk)", wall_i, cpu_i))
-    print(line("both (added to a decision)", both_w, both_c))
-    no_gc = [i for i, g in enumerate(in_gc) if not g]
-    print(line("both, lookups without a GC pass", [both_w[i] for i in no_gc], [both_c[i] for i in no_gc]))
-    slow = sorted(range(len(both_c)), key=both_c.__getitem__)[-max(1, len(both_c) // 100):]
-    print(f"the slowest 1% by CPU: prompts of {statistics.mean(sizes[i] for i in slow):.0f} blocks on average")
+          f"{sum(in_gc)} of them inside a timed lookup; {len(tier._foreign)} resident blocks unknown to the "
+          f"digest memo at the end, {hashed} blocks hashed (timed lookups and their deferred bookkeeping)")
+    # with a live store tier the scheduler skips the index's store walk (the tier answered): the
+    # tier's lookup is what a decision adds; without one, the index's store walk is
+    print(line("with a store tier: StoreTier.lookup", wall_t, cpu_t))
+    print(line("without: HitIndex store walk", wall_i, cpu_i))
+    print(line("(both, were they ever summed)", both_w, both_c))
+    quiet = [i for i, p in enumerate(preempted) if not p]
+    print(line("tier lookups the OS did not preempt", [wall_t[i] for i in quiet], [cpu_t[i] for i in quiet])
+          + f"  ({len(quiet)} of {len(preempted)})")
+    slow = sorted(range(len(cpu_t)), key=cpu_t.__getitem__)[-max(1, len(cpu_t) // 100):]
+    print(f"the slowest 1% of tier lookups by CPU: prompts of {statistics.mean(sizes[i] for i in slow):.0f} blocks "
+          f"on average")
 
     # cold: the gateway restarted (no memo, no runs): every resident block is hashed once
     wc, cc = [], []
@@ -173,7 +192,10 @@ async def main() -> None:
             tokens, hashes, usable = next_prompt()
         except StopIteration:
             break
-        tier.book._memo.clear()
+        tier.book._memo.clear()  # a restarted gateway: nothing remembered, every resident block foreign
+        tier._known.clear()
+        tier._foreign = set(tier.resident)
+        tier._pending.clear()
         tier._held.clear()
         tier._idx_of.clear()
         w0, c0 = wns(), tns()
@@ -184,10 +206,12 @@ async def main() -> None:
         store.write(tokens, hashes)
     if wc:
         print(line("cold memo (gateway restarted)", wc, cc) + f"  ({len(wc)} lookups; SHA-256 per resident block)")
-    ok = pct(both_c, .99) <= TARGET_MS
-    print(f"target: <= {TARGET_MS} ms p99 added per decision (events path, {a.blocks:,} blocks): thread CPU p99 "
-          f"{'meets' if ok else 'misses'} it; wall p99 {pct(both_w, .99):.3f} ms on this machine "
-          "(shared with other jobs: the wall tail is mostly preemption)")
+    verdict = ", ".join(f"{name} thread-CPU p99 {pct(xs, .99):.3f} ms "
+                        f"({'meets' if pct(xs, .99) <= TARGET_MS else 'misses'})"
+                        for name, xs in (("store tier", cpu_t), ("index store walk", cpu_i)))
+    print(f"target: <= {TARGET_MS} ms p99 added per decision (events path, {a.blocks:,} blocks): {verdict}; "
+          f"wall p99 {pct(wall_t, .99):.3f} / {pct(wall_i, .99):.3f} ms on this machine (shared with other jobs: "
+          "the wall tail is mostly preemption)")
 
 
 if __name__ == "__main__":

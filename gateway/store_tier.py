@@ -39,9 +39,14 @@ class StoreTier:
     def __init__(self, cfg: StoreConfig, block_size: int, model: str):
         self.cfg = cfg
         self.recipe = KeyRecipe(cfg.key_recipe, model, block_size, seed_text=cfg.hash_seed, algo=cfg.hash_algo)
-        self.book = KeyBook(self.recipe)
+        self.book = KeyBook(self.recipe, on_learn=self._learned, on_forget=self._forgot)
         self.mode = "events" if cfg.kv_events else "query"
         self.resident: set[bytes] = set()  # events mode: digests of blocks the store holds
+        # digests the memo knows, and resident ones it does not ("foreign": written for prompts
+        # this gateway never looked up, or dropped from the bounded memo). While there are none,
+        # a block the memo lacks cannot be resident, and a lookup skips hashing it.
+        self._known: set[bytes] = set()
+        self._foreign: set[bytes] = set()
         # the same blocks by our index hash, for those a lookup has mapped already, kept
         # prefix-closed (a block is in only while its whole prefix is held): a prompt's mapped
         # prefix is then found by bisection, a few probes however long it is
@@ -109,6 +114,7 @@ class StoreTier:
             assert self.client is not None
             digest_of = self.recipe.digest_of
             self.resident = {d for d in map(digest_of, await self.client.all_keys()) if d is not None}
+            self._foreign = self.resident - self._known
             self._held.clear()
             self._idx_of.clear()
             self._pending.clear()
@@ -147,14 +153,28 @@ class StoreTier:
             self.events += 1
             if ev.kind == "stored":
                 self.resident.add(d)
+                if d not in self._known:
+                    self._foreign.add(d)
                 p = self._pending.pop(d, None)
                 if p is not None and self._held.add_child(p[1], p[0]):
                     self._idx_of[d] = p[0]
             else:
                 self.resident.discard(d)
+                self._foreign.discard(d)
                 h = self._idx_of.pop(d, None)
                 if h is not None:
                     self._held.remove(h)  # and the mapped blocks after it: their prefix is broken
+
+    def _learned(self, digests: list[bytes]) -> None:
+        self._known.update(digests)
+        if self._foreign:
+            self._foreign.difference_update(digests)
+
+    def _forgot(self, d: bytes) -> None:
+        self._known.discard(d)
+        self._pending.pop(d, None)
+        if d in self.resident:
+            self._foreign.add(d)
 
     # --- the per-request lookup ----------------------------------------------------------------
     async def lookup(self, tokens: list[int], hashes: list[int], usable: int, ns: Namespace = None) -> int | None:
@@ -179,17 +199,16 @@ class StoreTier:
     def held_prefix(self, tokens: list[int], hashes: list[int], usable: int, ns: Namespace = None) -> int:
         """Events mode, synchronous: leading memoised digests in the resident set."""
         k = self._held.known(hashes, usable)  # the blocks mapped already
-        if k == usable:
-            n = k
-        else:  # beyond: digests (remembered, or hashed now up to the first miss)
-            n = self.book.held_prefix(tokens, hashes, usable, self.resident, start=k, ns=ns)
-        # after this decision: remember the held ones by index hash, the run, and the rest of the
-        # prompt's digests (its next turn)
-        asyncio.get_running_loop().call_soon(self._remember, tokens, hashes, k, n, usable, ns)
+        # beyond: digests (remembered, or hashed now up to the first miss)
+        n = k if k == usable else self.book.held_prefix(tokens, hashes, usable, self.resident, start=k, ns=ns,
+                                                         hash_unknown=bool(self._foreign))
+        if n > k or len(hashes) > n:  # after this decision: map the held ones, remember the rest's digests
+            asyncio.get_running_loop().call_soon(self._remember, tokens, hashes, k, n, ns)
         return n
 
-    def _remember(self, tokens: list[int], hashes: list[int], k: int, n: int, usable: int,
-                  ns: Namespace = None) -> None:
+    def _remember(self, tokens: list[int], hashes: list[int], k: int, n: int, ns: Namespace = None) -> None:
+        """Map blocks k..n (held at the lookup) and remember the digests of all the prompt's
+        complete blocks beyond: the engine writes them all, so their events find them known."""
         memo, resident = self.book._memo, self.resident
         for i in range(k, n):
             h = hashes[i]
@@ -199,11 +218,12 @@ class StoreTier:
                 break
             self._idx_of[d] = h
         self._held.add_run(hashes, k, n)  # (nothing if a block before k left meanwhile)
-        if n < usable:
-            if hashes[usable - 1] not in memo:
-                self.book.digests(tokens, hashes, usable, ns)
+        total = len(hashes)
+        if n < total:
+            if hashes[total - 1] not in memo:
+                self.book.digests(tokens, hashes, total, ns)
             pending = self._pending
-            for i in range(n, usable):  # mapped as soon as the store says it holds them
+            for i in range(n, total):  # mapped as soon as the store says it holds them
                 d = memo.get(hashes[i])
                 if d is not None:
                     pending[d] = (hashes[i], hashes[i - 1] if i else None)

@@ -46,6 +46,7 @@ from typing import Any
 
 from predictors.types import TIERS, Tier
 from scheduler.hashing import block_hashes as index_block_hashes, event_chain_keys, keyed_block_hashes
+from scheduler.prefix_runs import HeldPrefixes
 
 # tier slots in the index: positions in TIERS (device, host, store)
 _DEV, _HOST, _STORE = (TIERS.index(t) for t in (Tier.DEVICE, Tier.HOST, Tier.STORE))
@@ -113,6 +114,9 @@ class HitIndex:
         self._cap: dict[str, int] = {}
         self._groups: dict[str, dict[tuple[int, int], int]] = {}  # instance -> (tier, engine hash) -> group mask
         self._multi = 0  # entries held by two or more instances (their masks are distinct int objects)
+        # the store tier's blocks whose whole chain before them is in the store tier too: a
+        # prompt's store prefix is then found by bisection, not one probe per block
+        self._store_runs = HeldPrefixes()
         self.overflows = 0  # BlockStored events refused by the per-instance bound
 
     # --- registration -------------------------------------------------------------------
@@ -219,6 +223,9 @@ class HitIndex:
             return False
         bit = self._bits[slot]
         table = self._tiers[tier]
+        if tier == _STORE:
+            self._link_store_run(parent_block_hash if self.trust_event_hashes or parent_block_hash is None
+                                 else parent, ours)
         if self.trust_event_hashes:  # engine hash == index hash: no mapping to keep
             fresh = dict.fromkeys(ours, bit)
             if table.keys().isdisjoint(fresh):  # nobody holds any of them yet: one bulk insert
@@ -255,6 +262,13 @@ class HitIndex:
                     table[h] = bit
                 counts[tier] += 1
         return True
+
+    def _link_store_run(self, parent: int | None, ours: list[int]) -> None:
+        runs = self._store_runs
+        for h in ours:
+            if not runs.add_child(parent, h):
+                return  # its parent is not linked (yet): the walk in match() covers it
+            parent = h
 
     def block_removed(self, instance_id: str, block_hashes: list[int], medium: str | None = "GPU", *,
                       group_idx: int | None = None) -> bool:
@@ -305,6 +319,8 @@ class HitIndex:
                     rest = mask & ~bit
                     if not rest:
                         del table[h]
+                        if tier == _STORE:
+                            self._store_runs.remove(h)
                     elif rest & (rest - 1):
                         table[h] = rest  # still two or more holders
                     else:
@@ -397,6 +413,8 @@ class HitIndex:
         """Store what is left of a mask after one holder left (single holders share interned ints)."""
         if not rest:
             del table[h]
+            if table is self._tiers[_STORE]:
+                self._store_runs.remove(h)
         elif rest & (rest - 1):
             table[h] = rest  # still two or more holders
         else:
@@ -448,7 +466,8 @@ class HitIndex:
                 out.local = dict(out.device)
         if n and store and stored:
             contains = stored.__contains__
-            start, step = 0, _FIRST_CHUNK
+            start = self._store_runs.known(hashes, n)  # linked runs by bisection, then the walk
+            step = 2 if start else _FIRST_CHUNK
             while start < n:
                 end = min(n, start + step)
                 step *= 2

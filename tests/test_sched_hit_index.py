@@ -11,7 +11,7 @@ B = A[:12] + list(range(500, 528))
 C = list(range(900, 940))
 SEQS = (A, B, C)
 INSTANCES = ("i0", "i1", "i2")
-MEDIA = {"GPU": "device", "CPU": "host", "CPU_PINNED": "host", "EXTERNAL": "store", "DISK": "store"}
+MEDIA = {"GPU": "device", "CPU": "host", "CPU_PINNED": "host", "EXTERNAL": "store", "DISK": "store", "cpu": "store"}
 
 
 def salted(hashes, instance, trust=False):

@@ -227,3 +227,34 @@ def test_a_next_turn_finds_the_mapped_prefix_and_a_removal_since_cuts_it():
         tier.apply([StoreEvent("stored", keys[17], "cpu", [])])  # back: the walk goes on past the cut
         assert await tier.lookup(tokens, hashes, 59) == 59
     asyncio.run(run())
+
+
+def test_blocks_written_for_prompts_never_looked_up_are_still_found():
+    """A lookup skips hashing blocks its digest memo does not know only while every resident
+    block is known to it: a block another router's engine wrote (a "foreign" one) is hashed and
+    found; once the store forgets it, new prompts cost no hashing again."""
+    from engines_adapters.store.events import StoreEvent
+    tier = StoreTier(StoreConfig(url="http://127.0.0.1:1", kv_events="tcp://127.0.0.1:1", model=MODEL), BS, MODEL)
+    tier.stale = False
+    seen, seen_hashes, seen_keys = prompt_keys(30, seed=1)
+    other, other_hashes, other_keys = prompt_keys(30, seed=2)
+
+    async def run():
+        assert await tier.lookup(seen, seen_hashes, 30) == 0
+        await asyncio.sleep(0)  # its digests are remembered: its write-through is known
+        tier.apply([StoreEvent("stored", k, "cpu", []) for k in seen_keys])
+        assert not tier._foreign and len(tier._held) == 30  # mapped as the events came
+        before = tier.book.hashed
+        novel, novel_hashes, _ = prompt_keys(30, seed=3)
+        assert await tier.lookup(novel, novel_hashes, 30) == 0 and tier.book.hashed == before  # no SHA
+        await asyncio.sleep(0)
+        tier.apply([StoreEvent("stored", k, "cpu", []) for k in other_keys[:20]])  # never looked up
+        assert len(tier._foreign) == 20
+        assert await tier.lookup(other, other_hashes, 30) == 20  # hashed and found
+        assert await tier.lookup(seen, seen_hashes, 30) == 30
+        await asyncio.sleep(0)
+        assert not tier._foreign  # the lookup taught the memo their digests
+        tier.apply([StoreEvent("removed", k, "cpu", []) for k in other_keys[:20]])
+        before = tier.book.hashed
+        assert await tier.lookup(*prompt_keys(30, seed=4)[:2], 30) == 0 and tier.book.hashed == before
+    asyncio.run(run())

@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Container, Sequence
+from collections.abc import Callable, Container, Sequence
 
 from scheduler.hashing import vllm_block_digests, vllm_none_hash
 
@@ -129,11 +129,22 @@ class KeyRecipe:
 class KeyBook:
     """Engine store keys of a prompt's blocks, memoised by our index hash (bounded LRU)."""
 
-    def __init__(self, recipe: KeyRecipe, max_entries: int = 1 << 20):
+    def __init__(self, recipe: KeyRecipe, max_entries: int = 1 << 20,
+                 on_learn: Callable[[list[bytes]], None] | None = None,
+                 on_forget: Callable[[bytes], None] | None = None):
+        """``on_learn`` / ``on_forget``: told the digests the memo gains / drops (it is bounded)."""
         self.recipe = recipe
         self.max_entries = max_entries
+        self.on_learn, self.on_forget = on_learn, on_forget
         self._memo: OrderedDict[int, bytes] = OrderedDict()  # index hash -> engine block digest
         self.hashed = 0  # blocks hashed (memo misses)
+
+    def _trim(self) -> None:
+        memo, forget = self._memo, self.on_forget
+        while len(memo) > self.max_entries:
+            d = memo.popitem(last=False)[1]
+            if forget is not None:
+                forget(d)
 
     def digests(self, tokens: Sequence[int], index_hashes: Sequence[int], limit: int | None = None,
                 ns: Namespace = None) -> list[bytes]:
@@ -154,20 +165,24 @@ class KeyBook:
             self.hashed += len(fresh)
             for h, d in zip(index_hashes[start:n], fresh, strict=True):
                 memo[h] = d
+            if self.on_learn is not None:
+                self.on_learn(fresh)
             out += fresh
-            while len(memo) > self.max_entries:
-                memo.popitem(last=False)
+            if len(memo) > self.max_entries:
+                self._trim()
         return out
 
     def held_prefix(self, tokens: Sequence[int], index_hashes: Sequence[int], n: int, held: Container[bytes],
-                    start: int = 0, ns: Namespace = None) -> int:
+                    start: int = 0, ns: Namespace = None, hash_unknown: bool = True) -> int:
         """Leading blocks (of the first ``n``) whose digest is in ``held``, hashing lazily: a block
         not yet remembered is hashed only if every block before it is held, so a miss costs at
         most one SHA-256 (call :meth:`digests` later, off the hot path, to remember the rest).
-        ``start``: blocks already known to be held (the walk begins there)."""
+        ``start``: blocks already known to be held (the walk begins there; the first chunk is
+        then short: the block after a known prefix is usually new). ``hash_unknown=False``: the
+        caller knows every held digest is remembered, so a block that is not cannot be held."""
         memo = self._memo
         n = min(n, len(index_hashes))
-        k, step = start, 16
+        k, step = start, 2 if start else 16
         mget, contains = memo.get, held.__contains__
         while k < n:  # remembered and held, chunk by growing chunk at C speed (a None is never held)
             chunk = list(map(mget, index_hashes[k:min(n, k + step)]))
@@ -180,18 +195,23 @@ class KeyBook:
                 break
             k += len(chunk)
             step *= 2
+        if k >= n or not hash_unknown:
+            return k
         parent = memo.get(index_hashes[k - 1]) if k else None
+        if k and parent is None:  # (the memo dropped it: the chain again)
+            parent = self.digests(tokens, index_hashes, k, ns)[-1]
         bs = self.recipe.block_size
         while k < n:
             d = self.recipe.digests(tokens[k * bs:(k + 1) * bs], parent, ns)[0]
             self.hashed += 1
             memo[index_hashes[k]] = d
+            if self.on_learn is not None:
+                self.on_learn([d])
             if d not in held:
                 break
             parent, k = d, k + 1
         if len(memo) > self.max_entries:
-            while len(memo) > self.max_entries:
-                memo.popitem(last=False)
+            self._trim()
         return k
 
     def keys(self, tokens: Sequence[int], index_hashes: Sequence[int], limit: int | None = None,
