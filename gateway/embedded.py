@@ -114,7 +114,8 @@ class EmbeddedCluster:
                     "--profile", self.cfg.profile, "--time-scale", str(self.cfg.time_scale),
                     "--seed", str(self.cfg.seed + i), *self.cfg.extra_args]
             if self.store is not None and e.role != "decode":  # optional: the engine starts before the store answers
-                args += ["--kv-store", self.store.url, "--kv-store-optional", "--kv-store-recipe", self._store_recipe()]
+                args += ["--kv-store", self.store.url, "--kv-store-optional", "--kv-store-recipe", self._store_recipe(),
+                         "--kv-store-write", self.cfg.store_write]
             self.procs.append(subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent))
             _LIVE.add(self.procs[-1])
 

@@ -258,3 +258,13 @@ def test_blocks_written_for_prompts_never_looked_up_are_still_found():
         before = tier.book.hashed
         assert await tier.lookup(*prompt_keys(30, seed=4)[:2], 30) == 0 and tier.book.hashed == before
     asyncio.run(run())
+
+
+def test_the_embedded_engines_store_write_policy_is_checked():
+    import tomllib
+
+    from gateway.config import ConfigError, parse_config
+    assert parse_config(tomllib.loads('[embedded]\nstore_write = "back"\n')).embedded.store_write == "back"
+    assert parse_config(tomllib.loads("")).embedded.store_write == "through"
+    with pytest.raises(ConfigError, match="store_write must be 'through' or 'back'"):
+        parse_config(tomllib.loads('[embedded]\nstore_write = "sideways"\n'))
