@@ -170,11 +170,15 @@ class StoreTier:
         if self._foreign:
             self._foreign.difference_update(digests)
 
-    def _forgot(self, d: bytes) -> None:
+    def _forgot(self, d: bytes) -> bool:
+        """The memo is full: keep the digests of resident blocks (a lookup needs them), drop the rest."""
+        if d in self.resident:
+            return True
         self._known.discard(d)
         self._pending.pop(d, None)
         if d in self.resident:
             self._foreign.add(d)
+        return False
 
     # --- the per-request lookup ----------------------------------------------------------------
     async def lookup(self, tokens: list[int], hashes: list[int], usable: int, ns: Namespace = None) -> int | None:

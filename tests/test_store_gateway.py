@@ -268,3 +268,23 @@ def test_the_embedded_engines_store_write_policy_is_checked():
     assert parse_config(tomllib.loads("")).embedded.store_write == "through"
     with pytest.raises(ConfigError, match="store_write must be 'through' or 'back'"):
         parse_config(tomllib.loads('[embedded]\nstore_write = "sideways"\n'))
+
+
+def test_a_full_digest_memo_keeps_resident_blocks_digests():
+    from engines_adapters.store.events import StoreEvent
+    tier = StoreTier(StoreConfig(url="http://127.0.0.1:1", kv_events="tcp://127.0.0.1:1", model=MODEL), BS, MODEL)
+    tier.stale = False
+    tier.book.max_entries = 40
+    tokens, hashes, keys = prompt_keys(30, seed=1)
+
+    async def run():
+        await tier.lookup(tokens, hashes, 30)
+        await asyncio.sleep(0)
+        tier.apply([StoreEvent("stored", k, "cpu", []) for k in keys[:20]])
+        for seed in (5, 6, 7):  # other prompts' digests push the memo past its bound
+            t, h, _ = prompt_keys(30, seed=seed)
+            await tier.lookup(t, h, 30)
+            await asyncio.sleep(0)
+        memo = set(tier.book._memo.values())
+        assert len(tier.book._memo) == 40 and tier.resident <= memo and not tier._foreign
+    asyncio.run(run())

@@ -131,8 +131,9 @@ class KeyBook:
 
     def __init__(self, recipe: KeyRecipe, max_entries: int = 1 << 20,
                  on_learn: Callable[[list[bytes]], None] | None = None,
-                 on_forget: Callable[[bytes], None] | None = None):
-        """``on_learn`` / ``on_forget``: told the digests the memo gains / drops (it is bounded)."""
+                 on_forget: Callable[[bytes], bool] | None = None):
+        """``on_learn``: told the digests the memo gains; ``on_forget``: asked about each digest the
+        bounded memo is about to drop, oldest first: True keeps it (as the newest)."""
         self.recipe = recipe
         self.max_entries = max_entries
         self.on_learn, self.on_forget = on_learn, on_forget
@@ -141,10 +142,12 @@ class KeyBook:
 
     def _trim(self) -> None:
         memo, forget = self._memo, self.on_forget
+        budget = 4 * (len(memo) - self.max_entries) + 16  # kept entries per trim: bounded work
         while len(memo) > self.max_entries:
-            d = memo.popitem(last=False)[1]
-            if forget is not None:
-                forget(d)
+            h, d = memo.popitem(last=False)
+            if forget is not None and budget > 0 and forget(d):
+                memo[h] = d  # kept: the newest now
+                budget -= 1
 
     def digests(self, tokens: Sequence[int], index_hashes: Sequence[int], limit: int | None = None,
                 ns: Namespace = None) -> list[bytes]:
