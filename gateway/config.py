@@ -89,6 +89,7 @@ class EmbeddedConfig:
     # and the gateway's store tier reads its KV events
     store: bool = True
     store_gb: float = 64.0
+    store_write: str = "through"  # the engines' --kv-store-write: through (HiCache's default) | back
 
 
 @dataclass
@@ -299,6 +300,8 @@ def validate(cfg: GatewayConfig) -> None:
             raise ConfigError("store: model is required (the engines' model name, as it appears in store keys)")
     if cfg.embedded is not None and cfg.embedded.store_gb <= 0:
         raise ConfigError("embedded: store_gb must be > 0")
+    if cfg.embedded is not None and cfg.embedded.store_write not in ("through", "back"):
+        raise ConfigError(f"embedded: store_write must be 'through' or 'back', got {cfg.embedded.store_write!r}")
     if cfg.predictors not in PREDICTORS:
         raise ConfigError(f"predictors must be one of {PREDICTORS}, got {cfg.predictors!r}")
     if cfg.predictors == "learned" and not cfg.predictor_models:

@@ -127,9 +127,10 @@ class EmbeddedCluster:
                     "--profile", self.cfg.profile, "--time-scale", str(self.cfg.time_scale),
                     "--seed", str(self.cfg.seed + i), *self.cfg.extra_args]
             if self._kv_store and e.role != "decode":  # the master answers already: not optional
-                args += self._kv_store
+                args += [*self._kv_store, "--kv-store-write", self.cfg.store_write]
             elif self.store is not None and e.role != "decode":  # optional: it starts before the store answers
-                args += ["--kv-store", self.store.url, "--kv-store-optional", "--kv-store-recipe", self._store_recipe()]
+                args += ["--kv-store", self.store.url, "--kv-store-optional", "--kv-store-recipe", self._store_recipe(),
+                         "--kv-store-write", self.cfg.store_write]
             self.procs.append(subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent))
             _LIVE.add(self.procs[-1])
 

@@ -114,6 +114,9 @@ def build_parser() -> Parser:
                    help="mooncake:// store: memory this engine mounts into the store's pool (default 64)")
     p.add_argument("--kv-store-recipe", choices=("vllm", "sglang"), default="vllm",
                    help="store key format: vLLM's MooncakeStoreConnector or SGLang HiCache's (default vllm)")
+    p.add_argument("--kv-store-write", choices=("through", "back"), default="through",
+                   help="when blocks reach the store: after each prefill (through, HiCache's write_through "
+                        "default) or when the device evicts them (back, HiCache's write_back)")
     p.add_argument("--kv-store-optional", action="store_true",
                    help="start even if the store is unreachable (warn; load and write when it answers)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* as vLLM does")
@@ -210,6 +213,7 @@ def _engine(args: argparse.Namespace) -> EngineModel:
             max_num_seqs=args.max_num_seqs, kv_capacity_tokens=args.kv_capacity_tokens,
             host_tier_tokens=args.host_tier_tokens, seed=args.seed, noise=args.noise,
             kv_events=bool(args.kv_events), kv_hold_timeout=args.kv_hold_timeout, store_writes=bool(args.kv_store),
+            store_policy="write_back" if args.kv_store and args.kv_store_write == "back" else "write_through",
             event_hashes="sglang" if args.flavor == "sglang" else "vllm",
             median_output=args.median_output_tokens, max_model_len=args.max_model_len,
             hash_algo=args.prefix_caching_hash_algo,
@@ -278,6 +282,8 @@ async def _serve(args: argparse.Namespace, engine: EngineModel, publisher: KVEve
         api = OpenAIApi(info, driver, metrics, puller)
     if store is not None:
         driver.on_store_writes = store.write
+        driver.on_store_evicted = store.evicted
+        store.announcer.kick = driver.kick
         api.store = store
         if isinstance(store.client, MooncakeStoreClient):
             metrics.registry.register(StoreBytes(store.client))
@@ -320,7 +326,8 @@ def _store_link(args: argparse.Namespace, engine: EngineModel) -> StoreLink:
                                            block_size=engine.block_size, segment_bytes=args.kv_store_segment_mb << 20)
         except ValueError as e:
             raise CLIError(str(e)) from None
-    return StoreLink(args.kv_store, engine, engine.profile.model["name"], args.kv_store_recipe, mooncake)
+    return StoreLink(args.kv_store, engine, engine.profile.model["name"], args.kv_store_recipe, mooncake=mooncake,
+                     write=args.kv_store_write)
 
 
 async def _listen(app: web.Application, host: str, port_: int, runners: list[web.AppRunner], what: str) -> int:
