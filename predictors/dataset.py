@@ -21,7 +21,7 @@ Instances are told apart per run (:func:`run_of`): one telemetry file, one simul
 from __future__ import annotations
 
 import re
-from bisect import bisect_left, bisect_right
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -181,6 +181,12 @@ def build_dataset(records: Iterable[RequestRecord], default_deployment: str | No
     for inst, rs in by_inst.items():
         rs.sort(key=lambda r: (r.prefill_end_s or 0.0, r.decided_s or 0.0))
         starts: list[float] = sorted(r.prefill_start_s or 0.0 for r in rs)
+        # the latest end among the legs started up to each start: a leg started earlier and still
+        # running (a long prefill a short one overtook in a shared chunked step, a prefix load)
+        by_start = sorted(rs, key=lambda r: r.prefill_start_s or 0.0)
+        running_until: list[float] = []
+        for o in by_start:
+            running_until.append(max(running_until[-1] if running_until else float("-inf"), o.prefill_end_s or 0.0))
         prev_end = float("-inf")
         current: PrefillRow | None = None
         start_eff: dict[str, float] = {}
@@ -199,10 +205,13 @@ def build_dataset(records: Iterable[RequestRecord], default_deployment: str | No
                 current.request_ids.append(r.request_id)
                 current.clean = False
                 continue
-            later = bisect_right(starts, r.prefill_start_s)  # the next leg to start on this instance
-            joined = later < len(starts) and starts[later] < r.prefill_end_s
+            before = bisect_left(starts, r.prefill_start_s)  # legs started strictly before this one
+            # another leg started while this one ran (its own start counted once: same-time starts join)
+            joined = bisect_left(starts, r.prefill_end_s) - before > 1
+            overlapped = before > 0 and running_until[before - 1] > r.prefill_start_s
             current = PrefillRow(pos(r), dep, [(r.prompt_tokens, r.hit_tokens)], r.prefill_end_s - start,
-                                 clean=prev_end <= r.prefill_start_s and not joined, request_ids=[r.request_id])
+                                 clean=prev_end <= r.prefill_start_s and not joined and not overlapped,
+                                 request_ids=[r.request_id])
             prefill.append(current)
             prev_end = r.prefill_end_s
         # the queue each request found: the requests decided before it and not yet prefilled
