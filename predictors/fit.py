@@ -11,7 +11,7 @@ physical units, so the pooled weights are inverse efficiencies shared across har
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -205,6 +205,12 @@ def predict(models: TermModels, group: str, x: Sequence[float]) -> tuple[float, 
     return dot(m.coef, x), m.upper(x)
 
 
+def raw_upper(models: TermModels, group: str, x: Sequence[float]) -> float:
+    m, _ = models.for_group(group_of(group))
+    assert m is not None
+    return m.raw_upper(x)
+
+
 def first_step(models: LearnedModels, ph: Physics, r: HandoverRow) -> float:
     tm = models.terms.get("tbt")
     if tm is None:
@@ -212,13 +218,8 @@ def first_step(models: LearnedModels, ph: Physics, r: HandoverRow) -> float:
     return predict(tm, r.dst_deployment, ph.tbt_x(r.dst_deployment, r.running, r.kv_tokens, r.tokens, r.max_tokens))[0]
 
 
-def fit_all(ds: Dataset, train: Callable[[float], bool] | None = None, q: float = P90,
-            max_prompt: int | None = None, min_rows: int = MIN_ROWS,
-            quantiles: bool = True) -> tuple[LearnedModels, dict[str, str]]:
-    """Fit every term on the rows ``train(t)`` keeps (and, for extrapolation checks, only prompts
-    up to ``max_prompt``); returns the models and, per term left out, why. ``quantiles`` False
-    skips the quantile regressions (a point-only fit)."""
-    keep = train or (lambda t: True)
+def _fit_terms(ds: Dataset, keep: Callable[[float], bool], q: float, max_prompt: int | None, min_rows: int,
+               quantiles: bool) -> tuple[LearnedModels, dict[str, str]]:
     ph = Physics(ds.deployments)
     terms: dict[str, TermModels] = {}
     missing: dict[str, str] = {}
@@ -254,6 +255,119 @@ def fit_all(ds: Dataset, train: Callable[[float], bool] | None = None, q: float 
     return LearnedModels(terms), missing
 
 
+#: Calibration rows a conformal scale needs (fewer: the fitted quantile is served unscaled).
+MIN_CALIBRATION_ROWS = 10
+
+
+def conformal_scale(actual: np.ndarray, point: np.ndarray, upper: np.ndarray, q: float,
+                    offset: np.ndarray | None = None) -> float | None:
+    """Split-conformal scale s of an upper quantile: the smallest s with ``actual <= offset +
+    max(point, s x upper)`` on a share ``q`` of the calibration rows (the ceil((n+1)q)-th score,
+    the finite-sample correction); None with too few rows. Below 1 when the fitted quantile
+    over-covers, above when it under-covers (e.g. the calibration rows are later, busier ones)."""
+    off = np.zeros_like(actual) if offset is None else offset
+    ok = upper > 0
+    a, p, u, o = actual[ok], point[ok], upper[ok], off[ok]
+    n = len(a)
+    if n < MIN_CALIBRATION_ROWS:
+        return None
+    scores = np.where(a - o <= p, -np.inf, (a - o) / u)
+    k = min(n, int(np.ceil((n + 1) * q)))
+    s = float(np.sort(scores)[k - 1])
+    return float(min(50.0, max(0.01, s))) if np.isfinite(s) else 0.01
+
+
+def _scaled(tm: TermModels, scale: float) -> TermModels:
+    return TermModels(None if tm.pooled is None else replace(tm.pooled, p90_scale=scale),
+                      {g: replace(m, p90_scale=scale) for g, m in tm.groups.items()})
+
+
+def _with_upper(tm: TermModels, upper: TermModels | None) -> TermModels:
+    """``tm``'s points with ``upper``'s quantiles (group by group; the pooled one where a group is missing)."""
+    if upper is None:
+        return tm
+
+    def one(m: TermModel, g: str | None) -> TermModel:
+        u = upper.groups.get(g) if g is not None else None
+        u = u or upper.pooled
+        if u is None:
+            return m
+        return replace(m, p90_coef=u.p90_coef, p90_factor=u.p90_factor, p90_scale=u.p90_scale)
+
+    return TermModels(None if tm.pooled is None else one(tm.pooled, None),
+                      {g: one(m, g) for g, m in tm.groups.items()})
+
+
+def calibrate_quantiles(models: LearnedModels, ds: Dataset, cal: Callable[[Any], bool], q: float
+                        ) -> tuple[LearnedModels, dict[str, Any]]:
+    """Each term's conformal scale (and the TTFT's) from ``models`` on the calibration rows
+    ``cal(row)`` selects, which ``models`` were not fitted on; returns the models scaled and, per
+    term, the scale and the rows it came from."""
+    info: dict[str, Any] = {}
+    terms = dict(models.terms)
+    key = {"prefill": "prefill", "tbt": "tbt", "transfer": "handover"}
+    scored = score(models, ds, cal)
+    for term, tm in models.terms.items():
+        s_ = scored.get(key[term])
+        if s_ is None:
+            continue
+        # score() gives the handover as step + shipment: the offset is the step (learned point - shipment)
+        scale = conformal_scale(s_.actual, s_.learned - s_.offset, s_.learned_p90_raw, q, s_.offset)
+        info[term] = {"scale": scale, "n": int(len(s_.actual))}
+        if scale is not None:
+            terms[term] = _scaled(tm, scale)
+    scaled = LearnedModels(terms, models.meta)
+    ttft_scale = 1.0
+    if {"prefill", "tbt", "transfer"} <= set(terms):
+        rows = score(scaled, ds, cal).get("ttft")
+        if rows is not None:
+            s = conformal_scale(rows.actual, np.zeros_like(rows.actual), rows.learned_p90, q)
+            info["ttft"] = {"scale": s, "n": int(len(rows.actual))}
+            ttft_scale = 1.0 if s is None else s
+    return LearnedModels(terms, models.meta, ttft_scale), info
+
+
+def calibration_split(ds: Dataset, train: Callable[[float], bool], how: str, fraction: float = 0.2,
+                      seed: int = 0) -> tuple[Callable[[float], bool], Callable[[Any], bool]]:
+    """(proper(t), cal(row)) within the training rows: the latest ``fraction`` of them (``time``,
+    as the time-ordered hold-out is later than its training rows) or a random share."""
+    ts = sorted({r.t for r in ds.prefill} | {r.t for r in ds.tbt} | {r.t for r in ds.queue})
+    ts = [t for t in ts if train(t)]
+    if not ts:
+        return train, lambda row: False
+    if how == "time":
+        cut = ts[min(len(ts) - 1, int(len(ts) * (1 - fraction)))]
+        return (lambda t: train(t) and t < cut), (lambda row: train(row.t) and row.t >= cut)
+    rng = np.random.default_rng(seed + 1)
+    held = {t for t in ts if rng.random() < fraction}
+    return (lambda t: train(t) and t not in held), (lambda row: row.t in held)
+
+
+def fit_all(ds: Dataset, train: Callable[[float], bool] | None = None, q: float = P90,
+            max_prompt: int | None = None, min_rows: int = MIN_ROWS,
+            quantiles: bool = True, calibration: str | None = "time", cal_fraction: float = 0.2,
+            seed: int = 0) -> tuple[LearnedModels, dict[str, str]]:
+    """Fit every term on the rows ``train(t)`` keeps (and, for extrapolation checks, only prompts
+    up to ``max_prompt``); returns the models and, per term left out, why. ``quantiles`` False
+    skips the quantile regressions (a point-only fit). ``calibration`` (``time`` or ``random``;
+    None: none) holds out a share of the training rows, fits on the rest, scales each upper
+    quantile so that it covers ``q`` of the held-out share (split conformal), and serves the
+    models fitted on every training row with those scales (their ``meta["p90_calibration"]``)."""
+    keep = train or (lambda t: True)
+    models, missing = _fit_terms(ds, keep, q, max_prompt, min_rows, quantiles)
+    if not quantiles or calibration is None or not models.terms:
+        return models, missing
+    proper, cal = calibration_split(ds, keep, calibration, cal_fraction, seed)
+    pm, _ = _fit_terms(ds, proper, q, max_prompt, min_rows, quantiles)
+    scaled, info = calibrate_quantiles(pm, ds, cal, q)
+    # split conformal: the upper quantile served is the one fitted on the proper split, with the
+    # scale its calibration split gave; the point is fitted on every training row
+    terms = {t: _with_upper(tm, scaled.terms.get(t)) for t, tm in models.terms.items()}
+    ttft = (info.get("ttft") or {}).get("scale")
+    return LearnedModels(terms, {**models.meta, "p90_calibration": {"split": calibration, **info}},
+                         1.0 if ttft is None else ttft), missing
+
+
 # --- scoring --------------------------------------------------------------------------------
 def _ape(pred: np.ndarray, actual: np.ndarray) -> np.ndarray:
     out: np.ndarray = np.abs(pred - actual) / np.maximum(actual, 1e-12)
@@ -284,6 +398,8 @@ class Scored:
     learned_p90: np.ndarray
     analytic: np.ndarray
     prompt: np.ndarray
+    learned_p90_raw: np.ndarray  # the fitted quantile before its conformal scale (without the offset)
+    offset: np.ndarray  # what the term adds to its own model (the handover's first decode step)
 
 
 def score(models: LearnedModels, ds: Dataset, keep: Callable[[Any], bool]) -> dict[str, Scored]:
@@ -291,27 +407,30 @@ def score(models: LearnedModels, ds: Dataset, keep: Callable[[Any], bool]) -> di
     ph = Physics(ds.deployments)
     out: dict[str, Scored] = {}
 
-    def pack(rows: list[tuple[float, float, float, float, float, int]]) -> Scored:
-        a = np.array(rows, dtype=float).reshape(-1, 6)
-        return Scored(a[:, 0], a[:, 1], a[:, 2], a[:, 3], a[:, 4], a[:, 5].astype(int))
+    def pack(rows: Sequence[tuple[float, ...]]) -> Scored:
+        a = np.array([r + (0.0,) * (8 - len(r)) for r in rows], dtype=float).reshape(-1, 8)
+        return Scored(a[:, 0], a[:, 1], a[:, 2], a[:, 3], a[:, 4], a[:, 5].astype(int), a[:, 6], a[:, 7])
 
     tm = models.terms.get("prefill")
     if tm is not None:
-        rows = []
+        rows: list[tuple[float, ...]] = []
         for r in ds.prefill:
             if keep(r) and r.clean:
-                p, p9 = predict(tm, r.deployment, ph.prefill_x(r.deployment, r.items))
-                rows.append((r.t, r.service_s, p, p9, ph.analytic_prefill(r.deployment, r.items), r.prompt_tokens))
+                x = ph.prefill_x(r.deployment, r.items)
+                p, p9 = predict(tm, r.deployment, x)
+                rows.append((r.t, r.service_s, p, p9, ph.analytic_prefill(r.deployment, r.items), r.prompt_tokens,
+                             raw_upper(tm, r.deployment, x)))
         out["prefill"] = pack(rows)
     tm = models.terms.get("tbt")
     if tm is not None:
         rows = []
         for b in ds.tbt:
             if keep(b):
-                p, p9 = predict(tm, b.deployment, ph.tbt_x(b.deployment, b.running, b.kv_tokens, b.prompt_tokens,
-                                                            b.max_tokens))
+                x = ph.tbt_x(b.deployment, b.running, b.kv_tokens, b.prompt_tokens, b.max_tokens)
+                p, p9 = predict(tm, b.deployment, x)
                 rows.append((b.t, b.tbt_s, p, p9, ph.analytic_tbt(b.deployment, b.running, b.kv_tokens,
-                                                                  b.prompt_tokens, b.max_tokens), b.prompt_tokens))
+                                                                  b.prompt_tokens, b.max_tokens), b.prompt_tokens,
+                             raw_upper(tm, b.deployment, x)))
         out["tbt"] = pack(rows)
     tm = models.terms.get("transfer")
     if tm is not None:
@@ -319,10 +438,12 @@ def score(models: LearnedModels, ds: Dataset, keep: Callable[[Any], bool]) -> di
         for h in ds.handover:
             if keep(h):
                 step = first_step(models, ph, h)
-                p, p9 = predict(tm, h.dst_deployment, ph.transfer_x(h.src_deployment, h.dst_deployment, h.tokens))
+                x = ph.transfer_x(h.src_deployment, h.dst_deployment, h.tokens)
+                p, p9 = predict(tm, h.dst_deployment, x)
                 ana = ph.analytic_transfer(h.src_deployment, h.dst_deployment, h.tokens) + ph.analytic_tbt(
                     h.dst_deployment, h.running, h.kv_tokens, h.tokens, h.max_tokens)
-                rows.append((h.t, h.handover_s, p + step, p9 + step, ana, h.tokens))
+                rows.append((h.t, h.handover_s, p + step, p9 + step, ana, h.tokens,
+                             raw_upper(tm, h.dst_deployment, x), step))
         out["handover"] = pack(rows)
     if {"prefill", "tbt", "transfer"} <= set(models.terms):
         out["ttft"] = pack(_ttft_rows(models, ph, ds, keep))
@@ -330,9 +451,10 @@ def score(models: LearnedModels, ds: Dataset, keep: Callable[[Any], bool]) -> di
 
 
 def _ttft_rows(models: LearnedModels, ph: Physics, ds: Dataset,
-               keep: Callable[[Any], bool]) -> list[tuple[float, float, float, float, float, int]]:
+               keep: Callable[[Any], bool]) -> list[tuple[float, ...]]:
     """TTFT = Mooncake queue + prefill + hand-over, each from the learned terms (queue rebuilt from
-    the requests ahead as the ledger held them) or from the analytic prior."""
+    the requests ahead as the ledger held them) or from the analytic prior; its upper quantile is
+    the queue plus the terms' upper quantiles, times the models' conformal ``ttft_p90_scale``."""
     pm, tm, xm = models.terms["prefill"], models.terms["tbt"], models.terms["transfer"]
     memo_l: dict[str, float] = {}
     memo_a: dict[str, float] = {}
@@ -351,7 +473,7 @@ def _ttft_rows(models: LearnedModels, ph: Physics, ds: Dataset,
             v = memo_a[r.request_id] = ph.analytic_prefill(dep, [(r.prompt_tokens, r.hit_tokens)])
         return v
 
-    rows = []
+    rows: list[tuple[float, ...]] = []
     for q in ds.queue:
         if not keep(q):
             continue
@@ -364,7 +486,7 @@ def _ttft_rows(models: LearnedModels, ph: Physics, ds: Dataset,
         pre_l, pre_l9 = predict(pm, src, ph.prefill_x(src, [(r.prompt_tokens, r.hit_tokens)]))
         queue_l = reconstructed_queue(q, learned_prefill)
         learned = queue_l + pre_l + kv_l + step_l
-        learned9 = queue_l + pre_l9 + kv_l9 + step_l
+        learned9 = (queue_l + pre_l9 + kv_l9 + step_l) * models.ttft_p90_scale
         analytic = (reconstructed_queue(q, analytic_prefill) + analytic_prefill(r)
                     + ph.analytic_transfer(src, dst, r.prompt_tokens)
                     + ph.analytic_tbt(dst, r.decode_running, r.decode_kv_tokens, r.prompt_tokens, mt))

@@ -104,27 +104,33 @@ class ModelError(ValueError):
 @dataclass(frozen=True)
 class TermModel:
     """One fitted term: weights over the term's features, and its upper quantile (p90 by default):
-    a linear quantile model over the same features (``p90_coef``), else a factor over the point."""
+    a linear quantile model over the same features (``p90_coef``), else a factor over the point,
+    times ``p90_scale``, the split-conformal adjustment that made the quantile cover its level on
+    a calibration split the model was not fitted on (predictors/fit.py ``conformal_scale``)."""
 
     coef: tuple[float, ...]
     p90_factor: float = 1.0
     n: int = 0
     train_mape: float | None = None
     p90_coef: tuple[float, ...] | None = None
+    p90_scale: float = 1.0
 
     def predict(self, x: Sequence[float]) -> float:
         return dot(self.coef, x)
 
     def upper(self, x: Sequence[float]) -> float:
         """The upper quantile, never below the point prediction."""
-        point = dot(self.coef, x)
+        return max(dot(self.coef, x), self.p90_scale * self.raw_upper(x))
+
+    def raw_upper(self, x: Sequence[float]) -> float:
+        """The fitted quantile before the conformal scale."""
         if self.p90_coef is None:
-            return point * self.p90_factor
-        return max(point, dot(self.p90_coef, x))
+            return dot(self.coef, x) * self.p90_factor
+        return dot(self.p90_coef, x)
 
     def to_json(self) -> dict[str, Any]:
         return {"coef": list(self.coef), "p90_factor": self.p90_factor, "n": self.n, "train_mape": self.train_mape,
-                "p90_coef": None if self.p90_coef is None else list(self.p90_coef)}
+                "p90_coef": None if self.p90_coef is None else list(self.p90_coef), "p90_scale": self.p90_scale}
 
 
 @dataclass(frozen=True)
@@ -143,11 +149,16 @@ class TermModels:
 
 @dataclass(frozen=True)
 class LearnedModels:
+    """Every term's models; ``ttft_p90_scale`` scales the sum of the terms' upper quantiles (and the
+    queue's point) to the TTFT's own upper quantile, split-conformal like each term's ``p90_scale``."""
+
     terms: dict[str, TermModels]
     meta: dict[str, Any] = field(default_factory=dict)
+    ttft_p90_scale: float = 1.0
 
     def to_json(self) -> dict[str, Any]:
         return {"format": FORMAT, "version": VERSION, "meta": self.meta,
+                "calibration": {"ttft_p90_scale": self.ttft_p90_scale},
                 "terms": {t: {"features": list(FEATURES[t]),
                               "pooled": None if m.pooled is None else m.pooled.to_json(),
                               "groups": {g: gm.to_json() for g, gm in m.groups.items()}}
@@ -175,9 +186,8 @@ def _term_model(raw: Any, n_features: int, where: str) -> TermModel:
             raise ModelError(f"{where}: coefficients must be finite and >= 0, got {c!r}")
     if not any(coef):
         raise ModelError(f"{where}: all coefficients are zero")
-    p90 = raw.get("p90_factor", 1.0)
-    if isinstance(p90, bool) or not isinstance(p90, (int, float)) or not math.isfinite(p90) or not 0 < p90 < 100:
-        raise ModelError(f"{where}: p90_factor must be a positive finite number, got {p90!r}")
+    p90 = _positive(raw.get("p90_factor", 1.0), f"{where}: p90_factor")
+    scale = _positive(raw.get("p90_scale", 1.0), f"{where}: p90_scale")
     n = raw.get("n", 0)
     mape = raw.get("train_mape")
     q = raw.get("p90_coef")
@@ -185,9 +195,16 @@ def _term_model(raw: Any, n_features: int, where: str) -> TermModel:
         if not isinstance(q, list) or len(q) != n_features or any(
                 isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) for c in q):
             raise ModelError(f"{where}: p90_coef must be a list of {n_features} finite numbers")
-    return TermModel(tuple(float(c) for c in coef), float(p90), int(n) if isinstance(n, int) else 0,
+    return TermModel(tuple(float(c) for c in coef), p90, int(n) if isinstance(n, int) else 0,
                      float(mape) if isinstance(mape, (int, float)) and not isinstance(mape, bool) else None,
-                     None if q is None else tuple(float(c) for c in q))
+                     None if q is None else tuple(float(c) for c in q), scale)
+
+
+def _positive(v: Any, where: str) -> float:
+    """A quantile factor or scale: positive, finite, below 100 (files from before it say nothing: 1)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 < v < 100:
+        raise ModelError(f"{where} must be a positive finite number, got {v!r}")
+    return float(v)
 
 
 def parse_models(raw: Any) -> LearnedModels:
@@ -219,7 +236,11 @@ def parse_models(raw: Any) -> LearnedModels:
             raise ModelError(f"terms.{t}: no model")
         terms[t] = TermModels(pooled, groups)
     meta = raw.get("meta")
-    return LearnedModels(terms, meta if isinstance(meta, dict) else {})
+    cal = raw.get("calibration") or {}
+    if not isinstance(cal, dict):
+        raise ModelError("calibration: expected an object")
+    return LearnedModels(terms, meta if isinstance(meta, dict) else {},
+                         _positive(cal.get("ttft_p90_scale", 1.0), "calibration.ttft_p90_scale"))
 
 
 def load_models(directory: str) -> LearnedModels:
