@@ -330,34 +330,28 @@ FACTOR_STEPS = 200
 
 class _PrefillGroup:
     """A predictor group for a decision's memo (scheduler/cost.py's ``TermBook``): instances of one
-    deployment whose prefill corrections are in the same step answer alike. Hashed when a decision
-    builds its memo keys, so it follows the corrections as they move between decisions."""
+    deployment whose prefill corrections are in the same step answer alike. One per instance,
+    held by the scheduler; the bundle sets its key whenever that instance's answers may change
+    (a correction, a reload, a registration), so a decision's hashing is an attribute read."""
 
-    __slots__ = ("bundle", "instance", "_gen", "_k", "_h")
+    __slots__ = ("instance", "_k", "_h")
 
-    def __init__(self, bundle: LearnedBundle, instance: str):
-        self.bundle, self.instance = bundle, instance
-        self._gen = -1
-        self._k: tuple[int, int] = (0, 0)
-        self._h = 0
+    def __init__(self, instance: str, key: tuple[int, int]):
+        self.instance = instance
+        self.set(key)
 
-    def _key(self) -> tuple[int, int]:
-        b = self.bundle
-        if self._gen != b.generation:  # recomputed only after a correction, reload or registration
-            self._k = (b._compiled(self.instance).key, b.prefill_step(self.instance))
-            self._h = hash(self._k)
-            self._gen = b.generation
-        return self._k
+    def set(self, key: tuple[int, int]) -> None:
+        self._k = key
+        self._h = hash(key)
 
     def __hash__(self) -> int:
-        self._key()
         return self._h
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, _PrefillGroup) and self._key() == other._key()
+        return type(other) is _PrefillGroup and self._k == other._k
 
     def __repr__(self) -> str:
-        return f"_PrefillGroup({self.instance!r}, {self._key()})"
+        return f"_PrefillGroup({self.instance!r}, {self._k})"
 
 
 class LearnedBundle:
@@ -385,7 +379,7 @@ class LearnedBundle:
         self._memo: dict[tuple[Hashable, ...], float] = {}
         self._warned: set[tuple[str, str]] = set()
         self.reloads = 0
-        self.generation = 0  # bumped whenever a group's answers may change (_PrefillGroup's cache)
+        self._groups: dict[str, _PrefillGroup] = {}  # handed to the scheduler, kept current here
 
     # --- models --------------------------------------------------------------------------
     def swap(self, models: LearnedModels, source: str) -> None:
@@ -396,7 +390,7 @@ class LearnedBundle:
         self._warned.clear()
         self.ewma = {t: Ewma(self.ewma[t].alpha) for t in TERMS}
         self.reloads += 1
-        self.generation += 1
+        self._regroup()
 
     def _physics(self, instance: str) -> tuple[int, Roofline, float, str]:
         key, _ = self.book.keyed(instance)
@@ -430,12 +424,29 @@ class LearnedBundle:
         """The scheduler's hook: the instance's public deployment (its compiled terms follow)."""
         self.book.set(instance, deployment, kv_capacity_tokens)
         self._inst.pop(instance, None)
-        self.generation += 1
+        self._regroup(instance)
 
     def unregister(self, instance: str) -> None:
         self.book.remove(instance)
         self._inst.pop(instance, None)
-        self.generation += 1
+        self._groups.pop(instance, None)
+
+    def group(self, instance: str) -> _PrefillGroup:
+        """The instance's predictor group (one object per instance, its key kept current)."""
+        g = self._groups.get(instance)
+        if g is None:
+            g = self._groups[instance] = _PrefillGroup(instance, self._group_key(instance))
+        return g
+
+    def _group_key(self, instance: str) -> tuple[int, int]:
+        return self._compiled(instance).key, self.prefill_step(instance)
+
+    def _regroup(self, instance: str | None = None) -> None:
+        """Refresh the group of ``instance`` (None: every instance) after its answers may have changed."""
+        for i in (self._groups if instance is None else (instance,)):
+            g = self._groups.get(i)
+            if g is not None:
+                g.set(self._group_key(i))
 
     def _compiled(self, instance: str) -> _Compiled:
         c = self._inst.get(instance)
@@ -538,7 +549,7 @@ class LearnedBundle:
             base = self.prefill_base(p, rec.prompt_tokens, rec.hit_tokens)
             if base is not None:
                 self.ewma["prefill"].update(p, rec.prefill_end_s - rec.prefill_start_s, base, rec.predicted_prefill_s)
-                self.generation += 1
+                self._regroup(p)
         # TBT: the request's own token gaps against the state it was placed in
         if d is not None and len(rec.token_times) > MIN_TBT_INTERVALS:
             state = DecodeState(d, rec.decode_running, rec.decode_kv_tokens)
@@ -648,7 +659,7 @@ def learned_predictors(model_dir: str | None = None, *, models: LearnedModels | 
     book = DeploymentBook(prior=Prior() if prior is None else prior)
     b = LearnedBundle(models, book, online=online, alpha=alpha, source=source)
     # online: instances alike in deployment and prefill correction share a group (computed once per decision)
-    group: Callable[[str], Hashable] = (lambda i: _PrefillGroup(b, i)) if online else (lambda i: book.keyed(i)[0])
+    group: Callable[[str], Hashable] = b.group if online else (lambda i: book.keyed(i)[0])
     p = LearnedPredictors(queue=AnalyticQueue(), prefill=b, transfer=b, tbt=b, group=group, register=b.register,
                           unregister=b.unregister, bundle=b, watch=model_dir)
     p._seen = None if model_dir is None else _mtime(model_dir)
