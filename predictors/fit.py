@@ -27,11 +27,13 @@ from predictors.learned import (
     TermModels,
     dot,
     group_of,
+    load_features,
     physics,
     prefill_features,
     tbt_features,
     transfer_features,
 )
+from predictors.types import Tier
 
 #: Rows a model needs (per group; the pooled model needs as many in all).
 MIN_ROWS = 30
@@ -166,6 +168,15 @@ class Physics:
         bw = min(self.d[src].net_bytes_per_s, self.d[dst].net_bytes_per_s)
         return transfer_features(self.unit[dst], self.ts(dst), tokens, bw)
 
+    def load_x(self, dep: str, tier: str, tokens: int, loads: int) -> list[float]:
+        return load_features(self.unit[dep], self.ts(dep), tier, tokens, loads)
+
+    def analytic_load(self, dep: str, tier: str, tokens: int, loads: int) -> float:
+        """The prior's load (predictors/analytic.py AnalyticTransfer): latency + bytes / bandwidth."""
+        r = self.prior_roofline[dep]
+        bw = (r.store_bytes_per_s or r.net_bytes_per_s) if tier == Tier.STORE else r.host_bytes_per_s
+        return loads * r.transfer_latency_s + tokens * r.kv_bytes_per_token / bw
+
     def analytic_prefill(self, dep: str, items: Sequence[tuple[int, int]]) -> float:
         return sum(roofline_prefill_s(self.prior_roofline[dep], p, c) for p, c in items)
 
@@ -176,6 +187,25 @@ class Physics:
         s, d = self.prior_roofline[src], self.prior_roofline[dst]
         return max(s.transfer_latency_s, d.transfer_latency_s) + tokens * d.kv_bytes_per_token / min(
             s.net_bytes_per_s, d.net_bytes_per_s)
+
+
+#: The prefix-load terms: (term, tier, the row's tokens and loads of that tier).
+LOADS: tuple[tuple[str, str, Callable[[PrefillRow], tuple[int, int]]], ...] = (
+    ("store", Tier.STORE, lambda r: (r.store_tokens, r.store_loads)),
+    ("host", Tier.HOST, lambda r: (r.host_tokens, r.host_loads)))
+
+
+def load_rows(rows: Sequence[PrefillRow], term: str) -> list[PrefillRow]:
+    """Lone prefills that loaded a prefix of this term's kind only (the store or the host tier)."""
+    return [r for r in rows if r.clean and (r.store_loads if term == "store" else r.host_loads)
+            and not (r.host_loads if term == "store" else r.store_loads)]
+
+
+def load_matrix(ph: Physics, rows: Sequence[PrefillRow], term: str, tier: str,
+                amount: Callable[[PrefillRow], tuple[int, int]]) -> Fitted:
+    return Fitted(np.array([ph.load_x(r.deployment, tier, *amount(r)) for r in rows]).reshape(-1, 2),
+                  np.array([r.service_s for r in rows]), [group_of(r.deployment) for r in rows],
+                  np.array([r.t for r in rows]))
 
 
 def prefill_matrix(ph: Physics, rows: Sequence[PrefillRow]) -> Fitted:
@@ -227,7 +257,7 @@ def _fit_terms(ds: Dataset, keep: Callable[[float], bool], q: float, max_prompt:
     def small(p: int) -> bool:
         return max_prompt is None or p <= max_prompt
 
-    pre = [r for r in ds.prefill if keep(r.t) and small(r.prompt_tokens)]
+    pre = [r for r in ds.prefill if keep(r.t) and small(r.prompt_tokens) and not r.loads]
     clean = [r for r in pre if r.clean]
     if len(clean) >= min_rows:  # lone prefills are exact observations; shared steps blur the rest
         pre = clean
@@ -252,6 +282,18 @@ def _fit_terms(ds: Dataset, keep: Callable[[float], bool], q: float, max_prompt:
             terms["transfer"] = m
     if "transfer" not in terms:
         missing["transfer"] = f"{len(ho)} prefill->decode hand-over rows (need {min_rows})"
+    # prefix loads: the leg of a lone prefill that loaded first, its learned prefill as the offset
+    for term, tier, amount in LOADS:
+        rows = load_rows([r for r in ds.prefill if keep(r.t) and small(r.prompt_tokens)], term)
+        m = None
+        if len(rows) >= min_rows and "prefill" in terms:
+            offset = np.array([predict(terms["prefill"], r.deployment, ph.prefill_x(r.deployment, r.items))[0]
+                               for r in rows])
+            m = fit_term(load_matrix(ph, rows, term, tier, amount), q, min_rows, offset=offset, quantiles=quantiles)
+        if m is None:
+            missing[term] = f"{len(rows)} lone prefills loading a prefix from the {tier} (need {min_rows})"
+        else:
+            terms[term] = m
     return LearnedModels(terms), missing
 
 
@@ -305,7 +347,7 @@ def calibrate_quantiles(models: LearnedModels, ds: Dataset, cal: Callable[[Any],
     term, the scale and the rows it came from."""
     info: dict[str, Any] = {}
     terms = dict(models.terms)
-    key = {"prefill": "prefill", "tbt": "tbt", "transfer": "handover"}
+    key = {"prefill": "prefill", "tbt": "tbt", "transfer": "handover", "store": "store", "host": "host"}
     scored = score(models, ds, cal)
     for term, tm in models.terms.items():
         s_ = scored.get(key[term])
@@ -445,6 +487,23 @@ def score(models: LearnedModels, ds: Dataset, keep: Callable[[Any], bool]) -> di
                 rows.append((h.t, h.handover_s, p + step, p9 + step, ana, h.tokens,
                              raw_upper(tm, h.dst_deployment, x), step))
         out["handover"] = pack(rows)
+    pm = models.terms.get("prefill")
+    for term, tier, amount in LOADS:
+        tm = models.terms.get(term)
+        if tm is None or pm is None:
+            continue
+        rows, alone = [], []
+        for r in load_rows([r for r in ds.prefill if keep(r)], term):
+            pre = predict(pm, r.deployment, ph.prefill_x(r.deployment, r.items))[0]
+            x = ph.load_x(r.deployment, tier, *amount(r))
+            p, p9 = predict(tm, r.deployment, x)
+            ana = ph.analytic_load(r.deployment, tier, *amount(r))
+            rows.append((r.t, r.service_s, pre + p, pre + p9, ph.analytic_prefill(r.deployment, r.items) + ana,
+                         r.prompt_tokens, raw_upper(tm, r.deployment, x), pre))
+            if r.service_s > pre:  # the load alone: the leg minus the learned prefill (its error included)
+                alone.append((r.t, r.service_s - pre, p, p9, ana, r.prompt_tokens, raw_upper(tm, r.deployment, x)))
+        out[term] = pack(rows)  # the leg: load + prefill, learned and analytic
+        out[f"{term}_load"] = pack(alone)
     if {"prefill", "tbt", "transfer"} <= set(models.terms):
         out["ttft"] = pack(_ttft_rows(models, ph, ds, keep))
     return out

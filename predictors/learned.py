@@ -47,7 +47,10 @@ CHUNK_TOKENS = 8192
 PREFILL_FEATURES = ("step_s", "linear_s", "attn_s", "attn_ctx_s")
 TBT_FEATURES = ("step_s", "kv_read_s", "batch_s")
 TRANSFER_FEATURES = ("latency_s", "bytes_s")
-FEATURES: dict[str, tuple[str, ...]] = {"prefill": PREFILL_FEATURES, "tbt": TBT_FEATURES, "transfer": TRANSFER_FEATURES}
+#: ``store`` and ``host``: loading a prefix from the shared store / the host tier before the prefill
+#: (a fixed cost per load, and the bytes over the store's public bandwidth / the host link's).
+FEATURES: dict[str, tuple[str, ...]] = {"prefill": PREFILL_FEATURES, "tbt": TBT_FEATURES, "transfer": TRANSFER_FEATURES,
+                                        "store": TRANSFER_FEATURES, "host": TRANSFER_FEATURES}
 TERMS = tuple(FEATURES)
 
 #: A roofline at 100% efficiency and no fixed costs: the features' units.
@@ -86,6 +89,14 @@ def tbt_features(r: Roofline, time_scale: float, running: int, kv_tokens: int, p
 
 def transfer_features(r_dst: Roofline, time_scale: float, tokens: int, bandwidth: float) -> list[float]:
     return [time_scale, tokens * r_dst.kv_bytes_per_token / bandwidth]
+
+
+def load_features(r: Roofline, time_scale: float, tier: str, tokens: int, loads: int = 1) -> list[float]:
+    """Loading ``tokens`` of prefix KV (in ``loads`` operations) onto the prefill instance from the
+    shared store (at the prior's public store bandwidth, never above the NIC) or its host tier
+    (at the deployment's host link): the roofline's own transfer, as a load term's features."""
+    bw = r.store_bytes_per_s or r.net_bytes_per_s if tier == Tier.STORE else r.host_bytes_per_s
+    return [loads * time_scale, tokens * r.kv_bytes_per_token / bw]
 
 
 def group_of(deployment: str) -> str:
@@ -305,6 +316,8 @@ class _Compiled:
     prefill: tuple[float, float, float, float] | None  # per step, per new token, per context, per context^2
     tbt: tuple[float, float, float] | None  # per step, per KV token, per sequence
     transfer: tuple[float, float] | None  # latency, bytes per token (over the bandwidth)
+    store: tuple[float, float] | None  # latency, seconds per token loaded from the store
+    host: tuple[float, float] | None  # latency, seconds per token loaded from the host tier
 
 
 def _compile(models: LearnedModels, key: int, r: Roofline, ts: float, group: str, served: Roofline) -> _Compiled:
@@ -315,13 +328,21 @@ def _compile(models: LearnedModels, key: int, r: Roofline, ts: float, group: str
     attn = 4.0 * r.layers * r.hidden / r.attn_flops_per_s
     weights = r.weight_bytes / r.mem_bytes_per_s
     p, t, x = model("prefill"), model("tbt"), model("transfer")
+
+    def load(term: str, tier: str) -> tuple[float, float] | None:
+        m = model(term)
+        if m is None:
+            return None
+        lat, per_token = load_features(r, ts, tier, 1)
+        return m.coef[0] * lat, m.coef[1] * per_token
     return _Compiled(
         key, group, f"group:{group}", served.net_bytes_per_s,
         None if p is None else (p.coef[0] * weights, p.coef[1] * 2.0 * r.params / r.flops_per_s, p.coef[2] * attn,
                                 p.coef[3] * attn / CTX_SCALE),
         None if t is None else (t.coef[0] * weights, t.coef[1] * r.kv_bytes_per_token / r.mem_bytes_per_s,
                                 t.coef[2] * 2.0 * r.params / r.flops_per_s),
-        None if x is None else (x.coef[0] * ts, x.coef[1] * r.kv_bytes_per_token))
+        None if x is None else (x.coef[0] * ts, x.coef[1] * r.kv_bytes_per_token),
+        load("store", Tier.STORE), load("host", Tier.HOST))
 
 
 #: Resolution of the served prefill correction (0.5%): see :class:`_PrefillGroup`.
@@ -489,10 +510,13 @@ class LearnedBundle:
         return k[0] + k[1] * kv + k[2] * ((state.running if state.running > 0 else 0) + 1)
 
     def transfer_base(self, tokens: int, source: str, destination: str) -> float | None:
-        if source in (Tier.HOST, Tier.STORE):  # never observed apart from the queue: the prior answers
-            self._warn("transfer", f"no observations of transfers from {source}")
-            return None
         c = self._compiled(destination)
+        if source == Tier.STORE or source == Tier.HOST:  # a load before the prefill (its own term)
+            k = c.store if source == Tier.STORE else c.host
+            if k is None:
+                self._warn(str(source), f"no model of loads from the {source} for {c.group}")
+                return None
+            return k[0] + tokens * k[1]
         k = c.transfer
         if k is None:
             self._warn("transfer", f"no model for {c.group}")
@@ -526,7 +550,8 @@ class LearnedBundle:
             return self._fallback_transfer.transfer_time(tokens, source, destination)
         if not self.online:
             return t
-        return t * self.ewma["transfer"].factor.get(self._compiled(destination).group_key, 1.0)
+        term = str(source) if source == Tier.STORE or source == Tier.HOST else "transfer"
+        return t * self.ewma[term].factor.get(self._compiled(destination).group_key, 1.0)
 
     # --- online correction: each term from observations of that term ----------------------
     def correction_key(self, term: str, instance: str) -> str:
@@ -545,11 +570,24 @@ class LearnedBundle:
             self.ttft_err.update("all", rec.ttft_s, rec.predicted_ttft_s, rec.predicted_ttft_s)
         # prefill: the leg of a request that found its prefill instance idle is its prefill
         if (p is not None and p != d and rec.queue_requests == 0 and rec.prefill_start_s is not None
-                and rec.prefill_end_s is not None and not rec.transfer_tokens):
+                and rec.prefill_end_s is not None and not rec.transfer_tokens and not rec.host_load_tokens):
             base = self.prefill_base(p, rec.prompt_tokens, rec.hit_tokens)
             if base is not None:
                 self.ewma["prefill"].update(p, rec.prefill_end_s - rec.prefill_start_s, base, rec.predicted_prefill_s)
                 self._regroup(p)
+        # a load from the store or the host tier (one kind only) by a request that found its
+        # instance idle: its leg minus its (corrected) prefill
+        store = rec.transfer_tokens if rec.transfer_from == Tier.STORE else 0
+        load = (Tier.STORE, store) if store and not rec.host_load_tokens else (
+            (Tier.HOST, rec.host_load_tokens) if rec.host_load_tokens and not rec.transfer_tokens else None)
+        if (load is not None and p is not None and p != d and rec.queue_requests == 0
+                and rec.prefill_start_s is not None and rec.prefill_end_s is not None):
+            base = self.transfer_base(load[1], load[0], p)
+            if base is not None:
+                loaded = rec.prefill_end_s - rec.prefill_start_s - self.prefill_time(p, rec.prompt_tokens,
+                                                                                    rec.hit_tokens)
+                self.ewma[str(load[0])].update(self.correction_key("store", p), loaded, base,
+                                               None if rec.predicted_transfer_s is None else rec.predicted_transfer_s)
         # TBT: the request's own token gaps against the state it was placed in
         if d is not None and len(rec.token_times) > MIN_TBT_INTERVALS:
             state = DecodeState(d, rec.decode_running, rec.decode_kv_tokens)
@@ -581,7 +619,6 @@ class LearnedBundle:
                           "observations": e.count.get(k, 0),
                           "live_abs_error": None if k not in e.abs_err else round(e.abs_err[k], 4)}
             terms[t] = {"features": list(FEATURES[t]), "instances": per}
-        terms["transfer"]["host_and_store"] = "analytic (never observed apart from the queue)"
         err = self.ttft_err.abs_err.get("all")
         return {"predictors": "learned", "source": self.source, "reloads": self.reloads, "online": self.online,
                 "meta": self.models.meta, "terms": terms,

@@ -34,7 +34,7 @@ from predictors.telemetry import RequestRecord, write_jsonl
 @pytest.fixture(scope="module")
 def exact(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("exact"))
-    metrics = calibrate(synth_records(400, seed=1), d, draw=False)
+    metrics = calibrate(synth_records(400, seed=1, store_share=0.3), d, draw=False)
     return d, metrics
 
 
@@ -262,7 +262,10 @@ def test_calibrate_command_writes_models_metrics_report_and_plots(tmp_path):
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["holdout"] == "time" and metrics["holdout_metrics"]["tbt"]["learned"]["n"] > 0
     assert "| prefill |" in (out / "report.md").read_text()
-    assert parse_models(json.loads((out / "models.json").read_text())).terms.keys() == set(FEATURES)
+    # no request loaded a prefix from the store or the host tier: those terms stay with the prior, said once each
+    assert parse_models(json.loads((out / "models.json").read_text())).terms.keys() == set(FEATURES) - {"store",
+                                                                                                       "host"}
+    assert "warning: store not fitted" in r.stderr and "warning: host not fitted" in r.stderr
 
 
 @pytest.mark.parametrize("args, message", [
@@ -444,3 +447,27 @@ def test_calibrate_holds_out_a_calibration_split_and_its_p90s_cover_held_out_row
     bad = _set(raw, "tbt", "p90_scale", float("inf"))
     with pytest.raises(ModelError, match="p90_scale"):
         parse_models(bad)
+
+
+def test_calibrate_learns_the_store_load_inside_the_prefill_leg_and_serves_it(tmp_path):
+    """Prefill legs that load part of their prefix from the store first: the store term's weights
+    are recovered from the legs (the learned prefill as their offset), scored held out against the
+    prior's load, and served for store transfers; host-tier loads, never observed, stay analytic."""
+    m = calibrate(synth_records(600, seed=13, store_share=0.5), str(tmp_path), draw=False)
+    models = load_models(str(tmp_path))
+    assert models.terms["store"].pooled.coef == pytest.approx(TRUE["store"], rel=1e-6)
+    assert "host" not in models.terms and "host" in m["missing"]
+    h = m["holdout_metrics"]
+    assert h["store"]["learned"]["n"] > 20 and h["store"]["learned"]["mape"] < 1e-6
+    assert h["store_load"]["learned"]["mape"] < 1e-6 < h["store_load"]["analytic"]["mape"]
+    p = learned_predictors(str(tmp_path), online=False)
+    d = load_deployment(DEPLOYMENT)
+    p.register("p-1", d, 400_000)
+    from predictors.learned import load_features, physics
+    from predictors.types import Tier
+    want = sum(w * x for w, x in zip(TRUE["store"], load_features(physics(d), 1.0, Tier.STORE, 4096), strict=True))
+    assert p.transfer.transfer_time(4096, Tier.STORE, "p-1") == pytest.approx(want, rel=1e-9)
+    analytic = make_predictors("analytic")
+    analytic.register("p-1", d, 400_000)
+    assert p.transfer.transfer_time(4096, Tier.HOST, "p-1") == pytest.approx(
+        analytic.transfer.transfer_time(4096, Tier.HOST, "p-1"))
