@@ -22,7 +22,8 @@ Run: ``.venv/bin/python bench/decision_latency.py [--quick] [--predictors analyt
 learned predictors the run builds two identical worlds (same seed), one scheduler with the
 analytic predictors and one with the learned ones, and decides the same request stream on both,
 alternating blocks of 100 decisions, so a busy moment of a shared machine lands on both alike;
-it prints both (``compare``) and skips the per-policy table.
+it prints both (``compare``) and skips the per-policy table. ``--floor`` adds a third world whose
+predictors do no work (constant answers): the scheduler's own cost.
 
 Two clocks per decision: wall (``perf_counter_ns``) and the thread's CPU time
 (``thread_time_ns``), which leaves out the time the OS gave other processes (on a shared 2-core
@@ -46,6 +47,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from predictors.analytic import AnalyticQueue  # noqa: E402
+from predictors.base import DecodeState, Predictors  # noqa: E402
 from predictors.learned import ModelError, learned_predictors  # noqa: E402
 from scheduler import Instance, RequestFacts, Scheduler  # noqa: E402
 from scheduler.hashing import block_hashes  # noqa: E402
@@ -77,12 +80,32 @@ class Engine:
             assert ok, "bench events must be consistent"
 
 
+class Constant:
+    """Predictors that do no work (the floor: what a decision costs whatever the predictors)."""
+
+    def prefill_time(self, instance: str, prompt_tokens: int, cached_tokens: int) -> float:
+        return 1e-7 * (prompt_tokens - cached_tokens)
+
+    def transfer_time(self, tokens: int, source: str, destination: str) -> float:
+        return 1e-3
+
+    def tbt(self, state: DecodeState, prompt_tokens: int, max_tokens: int) -> float:
+        return 0.01
+
+
+def constant_predictors() -> Predictors:
+    c = Constant()
+    return Predictors(queue=AnalyticQueue(), prefill=c, transfer=c, tbt=c, group=lambda instance: 0)
+
+
 def build(policy: str, seed: int, quick: bool, models: str | None = None) -> tuple[Scheduler, dict]:
+    """``models``: None (analytic), a learned predictors directory, or ``"constant"`` (the floor)."""
     rng = random.Random(seed)
     now = [0.0]
     insts = [Instance(f"p{i:02d}", "prefill") for i in range(N_PREFILL)]
     insts += [Instance(f"d{i:02d}", "decode") for i in range(N_DECODE)]
-    predictors = None if models is None else learned_predictors(models)  # online: per-instance groups
+    predictors = None if models is None else (
+        constant_predictors() if models == "constant" else learned_predictors(models))  # online: per-instance groups
     sched = Scheduler(insts, policy=policy, clock=lambda: now[0], keep_decisions=1000, seed=seed,
                       predictors=predictors)
     docs = [tokens(rng, rng.randrange(2048, 8192)) for _ in range(64 if quick else 256)]
@@ -208,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="100k blocks and fewer decisions (smoke run)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--decisions", type=int, help="timed decisions per predictor bundle (default 20000; quick 1000)")
+    ap.add_argument("--floor", action="store_true",
+                    help="also decide the stream with predictors that do no work (constant answers): what the "
+                         "scheduler costs whatever the predictors")
     ap.add_argument("--predictors", nargs="+", default=["analytic"], metavar="KIND",
                     help="analytic (default), or learned DIR (a conductor calibrate directory): learned and "
                          "analytic then decide the same stream in one run")
@@ -240,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     worlds = {"analytic": build("conductor", args.seed, args.quick)}
     if models is not None:
         worlds["learned"] = build("conductor", args.seed, args.quick, models)
+    if args.floor:
+        worlds["constant"] = build("conductor", args.seed, args.quick, "constant")
     build_s = time.perf_counter() - t0
     n = args.decisions or (1000 if args.quick else 20000)
     gcs = [0]
