@@ -168,7 +168,7 @@ def calibrate(records: list[RequestRecord], out: str, *, holdout: str = "time", 
             "handover": len(ds.handover), "queue": len(ds.queue)}
     say(f"{len(records)} records, {ds.used} usable; rows: " + ", ".join(f"{k} {v}" for k, v in rows.items()))
     train, held = split(ds, holdout, fraction, seed)
-    trial, missing = fit_all(ds, train, q, min_rows=min_rows, calibration="random", seed=seed)
+    trial, missing = fit_all(ds, train, q, min_rows=min_rows, calibration="cv", seed=seed)
     if not trial.terms:
         raise DataError("too little data to fit any term: " + "; ".join(f"{k}: {v}" for k, v in missing.items()))
     scored = score(trial, ds, held)
@@ -181,7 +181,7 @@ def calibrate(records: list[RequestRecord], out: str, *, holdout: str = "time", 
     if short.terms:
         ex = score(short, ds, lambda row: row.prompt_tokens > p90_prompt)
         extrapolation = {"max_prompt_tokens": p90_prompt, "metrics": metrics_of(ex)}
-    final, missing = fit_all(ds, None, q, min_rows=min_rows, calibration="random", seed=seed)
+    final, missing = fit_all(ds, None, q, min_rows=min_rows, calibration="cv", seed=seed)
     final = LearnedModels(final.terms, {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                         "telemetry": telemetry or [], "records": len(records), "quantile": q,
                                         "deployments": sorted(ds.deployments), **final.meta},

@@ -324,87 +324,86 @@ def _scaled(tm: TermModels, scale: float) -> TermModels:
                       {g: replace(m, p90_scale=scale) for g, m in tm.groups.items()})
 
 
-def _with_upper(tm: TermModels, upper: TermModels | None) -> TermModels:
-    """``tm``'s points with ``upper``'s quantiles (group by group; the pooled one where a group is missing)."""
-    if upper is None:
-        return tm
-
-    def one(m: TermModel, g: str | None) -> TermModel:
-        u = upper.groups.get(g) if g is not None else None
-        u = u or upper.pooled
-        if u is None:
-            return m
-        return replace(m, p90_coef=u.p90_coef, p90_factor=u.p90_factor, p90_scale=u.p90_scale)
-
-    return TermModels(None if tm.pooled is None else one(tm.pooled, None),
-                      {g: one(m, g) for g, m in tm.groups.items()})
-
-
-def calibrate_quantiles(models: LearnedModels, ds: Dataset, cal: Callable[[Any], bool], q: float
-                        ) -> tuple[LearnedModels, dict[str, Any]]:
-    """Each term's conformal scale (and the TTFT's) from ``models`` on the calibration rows
-    ``cal(row)`` selects, which ``models`` were not fitted on; returns the models scaled and, per
-    term, the scale and the rows it came from."""
-    info: dict[str, Any] = {}
-    terms = dict(models.terms)
+def calibrate_quantiles(folds: Sequence[tuple[LearnedModels, Callable[[Any], bool]]], ds: Dataset, q: float
+                        ) -> dict[str, Any]:
+    """Each term's conformal scale (and the TTFT's) from the calibration rows of every fold: a
+    fold is models and the rows ``cal(row)`` selects, which those models were not fitted on. The
+    scores of all folds are pooled (one fold: split conformal; K folds: cross-conformal, every
+    training row calibrates once). Returns, per term, the scale (None: too few rows) and n."""
     key = {"prefill": "prefill", "tbt": "tbt", "transfer": "handover", "store": "store", "host": "host"}
-    scored = score(models, ds, cal)
-    for term, tm in models.terms.items():
-        s_ = scored.get(key[term])
-        if s_ is None:
-            continue
-        # score() gives the handover as step + shipment: the offset is the step (learned point - shipment)
-        scale = conformal_scale(s_.actual, s_.learned - s_.offset, s_.learned_p90_raw, q, s_.offset)
-        info[term] = {"scale": scale, "n": int(len(s_.actual))}
-        if scale is not None:
-            terms[term] = _scaled(tm, scale)
-    scaled = LearnedModels(terms, models.meta)
-    ttft_scale = 1.0
-    if {"prefill", "tbt", "transfer"} <= set(terms):
-        rows = score(scaled, ds, cal).get("ttft")
-        if rows is not None:
-            s = conformal_scale(rows.actual, np.zeros_like(rows.actual), rows.learned_p90, q)
-            info["ttft"] = {"scale": s, "n": int(len(rows.actual))}
-            ttft_scale = 1.0 if s is None else s
-    return LearnedModels(terms, models.meta, ttft_scale), info
+    pooled: dict[str, list[Scored]] = {}
+    for models, cal in folds:
+        for term, s_ in score(models, ds, cal).items():
+            pooled.setdefault(term, []).append(s_)
+
+    def cat(parts: list[Scored], field: str) -> np.ndarray:
+        return np.concatenate([getattr(p, field) for p in parts]) if parts else np.zeros(0)
+
+    info: dict[str, Any] = {}
+    terms = {t for m, _ in folds for t in m.terms}
+    for term in sorted(terms):
+        parts = pooled.get(key[term], [])
+        actual, offset = cat(parts, "actual"), cat(parts, "offset")
+        # score() gives the handover as step + shipment: the offset is the step, the point is the rest
+        scale = conformal_scale(actual, cat(parts, "learned") - offset, cat(parts, "learned_p90_raw"), q, offset)
+        info[term] = {"scale": scale, "n": int(len(actual))}
+    if all(t in terms for t in ("prefill", "tbt", "transfer")):
+        parts = []
+        for models, cal in folds:
+            scaled = LearnedModels({t: _scaled(tm, info[t]["scale"]) if info.get(t, {}).get("scale") else tm
+                                    for t, tm in models.terms.items()}, models.meta)
+            rows = score(scaled, ds, cal).get("ttft")
+            if rows is not None:
+                parts.append(rows)
+        actual = cat(parts, "actual")
+        s = conformal_scale(actual, np.zeros_like(actual), cat(parts, "learned_p90"), q)
+        info["ttft"] = {"scale": s, "n": int(len(actual))}
+    return info
 
 
-def calibration_split(ds: Dataset, train: Callable[[float], bool], how: str, fraction: float = 0.2,
-                      seed: int = 0) -> tuple[Callable[[float], bool], Callable[[Any], bool]]:
-    """(proper(t), cal(row)) within the training rows: the latest ``fraction`` of them (``time``,
-    as the time-ordered hold-out is later than its training rows) or a random share."""
+def calibration_folds(ds: Dataset, train: Callable[[float], bool], how: str, fraction: float = 0.2,
+                      seed: int = 0) -> list[tuple[Callable[[float], bool], Callable[[Any], bool]]]:
+    """(proper(t), cal(row)) pairs within the training rows: ``time``, the latest ``fraction`` of
+    them; ``random``, a random share; ``cv``, round(1 / fraction) folds of random positions, each
+    calibrating the models fitted on the others (cross-conformal: lower variance than one split,
+    which matters when the upper quantile sits close to the point)."""
     ts = sorted({r.t for r in ds.prefill} | {r.t for r in ds.tbt} | {r.t for r in ds.queue})
     ts = [t for t in ts if train(t)]
     if not ts:
-        return train, lambda row: False
+        return []
     if how == "time":
         cut = ts[min(len(ts) - 1, int(len(ts) * (1 - fraction)))]
-        return (lambda t: train(t) and t < cut), (lambda row: train(row.t) and row.t >= cut)
+        return [((lambda t: train(t) and t < cut), (lambda row: train(row.t) and row.t >= cut))]
     rng = np.random.default_rng(seed + 1)
-    held = {t for t in ts if rng.random() < fraction}
-    return (lambda t: train(t) and t not in held), (lambda row: row.t in held)
+    k = max(2, round(1 / fraction)) if how == "cv" else 1
+    fold_of = {t: int(f) for t, f in zip(ts, rng.integers(0, k, len(ts)) if how == "cv" else
+                                         np.where(rng.random(len(ts)) < fraction, 0, -1), strict=True)}
+
+    def pair(f: int) -> tuple[Callable[[float], bool], Callable[[Any], bool]]:
+        return (lambda t: train(t) and fold_of.get(t) != f), (lambda row: fold_of.get(row.t) == f)
+
+    return [pair(f) for f in range(k)]
 
 
 def fit_all(ds: Dataset, train: Callable[[float], bool] | None = None, q: float = P90,
             max_prompt: int | None = None, min_rows: int = MIN_ROWS,
-            quantiles: bool = True, calibration: str | None = "time", cal_fraction: float = 0.2,
+            quantiles: bool = True, calibration: str | None = "cv", cal_fraction: float = 0.2,
             seed: int = 0) -> tuple[LearnedModels, dict[str, str]]:
     """Fit every term on the rows ``train(t)`` keeps (and, for extrapolation checks, only prompts
     up to ``max_prompt``); returns the models and, per term left out, why. ``quantiles`` False
-    skips the quantile regressions (a point-only fit). ``calibration`` (``time`` or ``random``;
-    None: none) holds out a share of the training rows, fits on the rest, scales each upper
-    quantile so that it covers ``q`` of the held-out share (split conformal), and serves the
-    models fitted on every training row with those scales (their ``meta["p90_calibration"]``)."""
+    skips the quantile regressions (a point-only fit). ``calibration`` (``cv``, ``time`` or
+    ``random``; None: none) holds out training rows (see :func:`calibration_folds`), fits on the
+    rest, scales each upper quantile so that it covers ``q`` of the held-out rows (conformal), and
+    serves the models fitted on every training row with those scales (``meta["p90_calibration"]``)."""
     keep = train or (lambda t: True)
     models, missing = _fit_terms(ds, keep, q, max_prompt, min_rows, quantiles)
     if not quantiles or calibration is None or not models.terms:
         return models, missing
-    proper, cal = calibration_split(ds, keep, calibration, cal_fraction, seed)
-    pm, _ = _fit_terms(ds, proper, q, max_prompt, min_rows, quantiles)
-    scaled, info = calibrate_quantiles(pm, ds, cal, q)
-    # split conformal: the upper quantile served is the one fitted on the proper split, with the
-    # scale its calibration split gave; the point is fitted on every training row
-    terms = {t: _with_upper(tm, scaled.terms.get(t)) for t, tm in models.terms.items()}
+    folds = [(_fit_terms(ds, proper, q, max_prompt, min_rows, quantiles)[0], cal)
+             for proper, cal in calibration_folds(ds, keep, calibration, cal_fraction, seed)]
+    info = calibrate_quantiles(folds, ds, q)
+    terms = {t: _scaled(tm, info[t]["scale"]) if info.get(t, {}).get("scale") is not None else tm
+             for t, tm in models.terms.items()}
     ttft = (info.get("ttft") or {}).get("scale")
     return LearnedModels(terms, {**models.meta, "p90_calibration": {"split": calibration, **info}},
                          1.0 if ttft is None else ttft), missing
