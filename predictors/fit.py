@@ -333,7 +333,7 @@ def calibrate_quantiles(folds: Sequence[tuple[LearnedModels, Callable[[Any], boo
     key = {"prefill": "prefill", "tbt": "tbt", "transfer": "handover", "store": "store", "host": "host"}
     pooled: dict[str, list[Scored]] = {}
     for models, cal in folds:
-        for term, s_ in score(models, ds, cal).items():
+        for term, s_ in score(models, ds, cal, ttft=False).items():
             pooled.setdefault(term, []).append(s_)
 
     def cat(parts: list[Scored], field: str) -> np.ndarray:
@@ -443,8 +443,9 @@ class Scored:
     offset: np.ndarray  # what the term adds to its own model (the handover's first decode step)
 
 
-def score(models: LearnedModels, ds: Dataset, keep: Callable[[Any], bool]) -> dict[str, Scored]:
-    """Learned and analytic predictions of each term on the rows ``keep(row)`` selects."""
+def score(models: LearnedModels, ds: Dataset, keep: Callable[[Any], bool], ttft: bool = True) -> dict[str, Scored]:
+    """Learned and analytic predictions of each term on the rows ``keep(row)`` selects (and of the
+    TTFT, unless ``ttft`` is False: it rebuilds every request's queue, the costly part)."""
     ph = Physics(ds.deployments)
     out: dict[str, Scored] = {}
 
@@ -503,7 +504,7 @@ def score(models: LearnedModels, ds: Dataset, keep: Callable[[Any], bool]) -> di
                 alone.append((r.t, r.service_s - pre, p, p9, ana, r.prompt_tokens, raw_upper(tm, r.deployment, x)))
         out[term] = pack(rows)  # the leg: load + prefill, learned and analytic
         out[f"{term}_load"] = pack(alone)
-    if {"prefill", "tbt", "transfer"} <= set(models.terms):
+    if ttft and {"prefill", "tbt", "transfer"} <= set(models.terms):
         out["ttft"] = pack(_ttft_rows(models, ph, ds, keep))
     return out
 
