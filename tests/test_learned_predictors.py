@@ -471,3 +471,14 @@ def test_calibrate_learns_the_store_load_inside_the_prefill_leg_and_serves_it(tm
     analytic.register("p-1", d, 400_000)
     assert p.transfer.transfer_time(4096, Tier.HOST, "p-1") == pytest.approx(
         analytic.transfer.transfer_time(4096, Tier.HOST, "p-1"))
+
+
+def test_a_term_worse_than_the_prior_held_out_is_left_to_the_prior():
+    from predictors.calibrate import _worse_than_prior
+
+    def m(n, learned, analytic):
+        return {"learned": {"n": n, "mape": learned}, "analytic": {"n": n, "mape": analytic}}
+
+    worse = _worse_than_prior({"prefill": m(200, 0.03, 0.09), "tbt": m(800, 0.05, 0.2),
+                               "store_load": m(21, 0.48, 0.33), "handover": m(5, 0.9, 0.1)})
+    assert set(worse) == {"store"} and "worse than the analytic prior" in worse["store"]  # 5 rows judge nothing
