@@ -539,7 +539,7 @@ class Scheduler:
             queue_requests=p.state.queued_requests, decode_running=now_state.running,
             decode_kv_tokens=now_state.kv_tokens, explanation=ch.record, kv_transfer_s=ch.kv_s,
             decode_first_step_s=ch.first_step_s, decode_wait_s=ch.decode_wait_s,
-            policy=self.policy_name)
+            policy=self.policy_name, host_tokens=terms.host_tokens)
         if commit:
             decode_start = now + ch.ttft
             need = facts.prompt_tokens + facts.max_tokens
