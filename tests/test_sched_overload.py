@@ -87,7 +87,7 @@ def test_a_request_no_candidate_could_serve_in_time_is_not_demand():
     assert v is None and len(w) == 0 and info["counted"] is False
 
 
-def test_params_any_policy_takes_them_and_conductor_defaults_on():
+def test_params_any_policy_takes_them_and_every_policy_defaults_off():
     p, rest = split_params({"cost_admission": "off", "work_weight": "2", "cost_eta": "0.8"}, True)
     assert (p.enabled, p.eta, p.window_s) == (False, 0.8, OverloadParams().window_s) and rest == {"work_weight": "2"}
     with pytest.raises(ValueError, match="cost_eta"):
@@ -97,8 +97,8 @@ def test_params_any_policy_takes_them_and_conductor_defaults_on():
     with pytest.raises(ValueError, match="cost_admission"):
         split_params({"cost_admission": "maybe"}, True)
     two = [Instance("p0", "prefill"), Instance("d0", "decode")]
-    assert Scheduler(two, policy="conductor").overload is not None
-    assert Scheduler(two, policy="conductor", cost_admission="off").overload is None
+    assert Scheduler(two, policy="conductor").overload is None  # opt-in (docs/scheduler.md says why)
+    assert Scheduler(two, policy="conductor", cost_admission="on").overload is not None
     assert Scheduler(two, policy="conductor_alg1").overload is None  # Algorithm 1 as published
     assert Scheduler(two, policy="round_robin").overload is None
     assert Scheduler(two, policy="round_robin", cost_admission=True).overload is not None

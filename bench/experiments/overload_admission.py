@@ -41,6 +41,7 @@ SETTINGS: dict[str, list[tuple[float, float]]] = {
 ETAS = [1.0, 1.25, 1.5]
 WINDOWS = [30.0, 60.0]
 OFF = {"cost_admission": False}
+ON = {"cost_admission": True}  # opt-in: conductor runs with it explicitly
 
 DISCUSSION = """## Discussion
 
@@ -97,7 +98,7 @@ def prepare(name: str, a: argparse.Namespace) -> dict[str, Any]:
         off = sweep(train_w, spec, ["conductor"], load, slo, model_dir, OFF, a.workers, None)["conductor"][0]
         grid = {"off": off["slo_attainment"]}
         for eta, win in itertools.product(ETAS, WINDOWS):
-            s = sweep(train_w, spec, ["conductor"], load, slo, model_dir, {"cost_eta": eta, "cost_window_s": win},
+            s = sweep(train_w, spec, ["conductor"], load, slo, model_dir, {**ON, "cost_eta": eta, "cost_window_s": win},
                       a.workers, None)["conductor"][0]
             grid[f"{eta:g}/{win:g}"] = s["slo_attainment"]
         tuning[f"{ttft:g}"] = {"load": load, "grid": grid}
@@ -236,7 +237,7 @@ def run(a: argparse.Namespace) -> None:
         names = a.workloads.split(",")
         prepared = [prepare(n, a) for n in names]
         eta, win = choose(prepared)
-        tuned = {"cost_eta": eta, "cost_window_s": win}
+        tuned = {**ON, "cost_eta": eta, "cost_window_s": win}
         print(f"tuned on the training slices: eta {eta:g}, window {win:g} s", file=sys.stderr, flush=True)
         results, command = [evaluate(p, a, tuned) for p in prepared], C.command_line()
     C.save_json(C.DOCS / PAGE / "results.json",
