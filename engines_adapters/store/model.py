@@ -193,7 +193,9 @@ class StoreModel:
                 self._used[n] += size
                 per_node[n] = per_node.get(n, 0) + size
             total += size
-            self._objs[key] = _Obj(size, nodes, MEDIUM_CPU, ready_at=now)
+            # not visible nor evictable until its transfer ends (the master's PutEnd): a batch
+            # larger than the free room must not evict its own earlier objects
+            self._objs[key] = _Obj(size, nodes, MEDIUM_CPU, ready_at=float("inf"))
             out.stored.append(key)
         if total:
             out.done_at = self._transfer(per_node, total, now, spec.transfer_bytes_per_s)
