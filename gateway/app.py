@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -30,7 +31,8 @@ log = logging.getLogger("conductor")
 MODEL_CARD_KEYS = ("created", "root", "parent", "max_model_len")  # what /v1/models passes on from the engines
 
 
-def create_app(cfg: GatewayConfig) -> FastAPI:
+def create_app(cfg: GatewayConfig, guard: Any = None) -> FastAPI:
+    """``guard``: a Prometheus collector of the connection guard's counters, shown on /metrics."""
     state: dict = {}
 
     @contextlib.asynccontextmanager
@@ -56,6 +58,8 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
             await cluster.start()
             tracer = provider.get_tracer("conductor") if provider else trace.NoOpTracer()
             metrics = GatewayMetrics()
+            if guard is not None:
+                metrics.registry.register(guard)
             state.update(cluster=cluster, metrics=metrics,
                          proxy=Proxy(cfg, cluster, metrics, telemetry, _tokenizer(cfg, cluster), tracer))
             number_decisions(cluster.scheduler)  # /admin/decisions pages by record number

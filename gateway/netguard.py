@@ -221,6 +221,29 @@ class RequestLimit:
             self.active -= 1
 
 
+class GuardCollector:
+    """Prometheus view of the guard's counters (they were only logged): a client storm shows on
+    ``/metrics`` as evictions, deadlines and refusals, beside the connections open now."""
+
+    def __init__(self, limits: Limits, request_limit: RequestLimit | None = None):
+        self.limits, self.request_limit = limits, request_limit
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        lim = self.limits
+        yield GaugeMetricFamily("conductor_client_connections_open", "Client connections open", value=len(lim.conns))
+        yield GaugeMetricFamily("conductor_client_connections_limit", "Client connection cap",
+                                value=lim.max_connections)
+        events = CounterMetricFamily("conductor_client_connection_events", "Connections cut or refused by the "
+                                     "guard, by reason", labels=["reason"])
+        for reason, n in lim.stats.items():
+            events.add_metric([reason], n)
+        if self.request_limit is not None:
+            events.add_metric(["requests_in_progress_limit"], self.request_limit.refused)
+        yield events
+
+
 class StartupReport:
     """ASGI middleware that keeps a failed start-up to one line: the lifespan's exception,
     instead of the traceback uvicorn would log, is kept in ``failure`` for the caller to report."""

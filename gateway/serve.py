@@ -50,6 +50,7 @@ def _run(cfg: GatewayConfig, log_level: str) -> int:
 
     from gateway.app import create_app
     from gateway.netguard import (
+        GuardCollector,
         Limits,
         RequestLimit,
         StartupReport,
@@ -71,7 +72,9 @@ def _run(cfg: GatewayConfig, log_level: str) -> int:
     log.info("open files %d (hard limit %d): up to %d client connections, %d requests in progress",
              soft, hard, cfg.max_connections, cfg.max_concurrent_requests)
     limits = Limits(cfg.max_connections, cfg.header_timeout_s, cfg.body_timeout_s, cfg.max_header_bytes)
-    app = StartupReport(RequestLimit(create_app(cfg), cfg.max_concurrent_requests))
+    guard = GuardCollector(limits)
+    guard.request_limit = RequestLimit(create_app(cfg, guard), cfg.max_concurrent_requests)
+    app = StartupReport(guard.request_limit)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=log_level, access_log=False,
                             loop="uvloop", http=guarded_protocol(limits), timeout_keep_alive=cfg.keepalive_timeout_s,
                             # in-flight streams get half the shutdown budget; stopping everything the rest

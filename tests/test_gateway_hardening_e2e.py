@@ -81,6 +81,9 @@ def test_refusals_at_the_edge_are_counted(secured):
     requests.get(secured["url"] + "/v1/models", headers=bearer("sk-wrong"))
     text = requests.get(secured["url"] + "/metrics", headers=bearer("adm-1")).text
     assert 'conductor_refused_at_edge_total{reason="invalid_api_key"}' in text
+    # the connection guard's counters (serve wires them in), not only its log lines
+    assert 'conductor_client_connection_events_total{reason="evicted"}' in text
+    assert "conductor_client_connections_open" in text
 
 
 def test_slo_headers_tighten_only_unless_the_key_is_trusted(secured):

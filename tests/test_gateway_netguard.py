@@ -253,3 +253,46 @@ def test_the_connection_budget_leaves_room_for_engine_legs_and_the_engines_socke
     assert 3 * small + 6 * 16 < 1024  # every admitted connection's descriptors fit, with the reserve
     assert large > 2500  # 2,000 idle + 500 live fit at a 20,000 limit
     assert connection_budget(50, 4) == 8  # never zero
+
+
+def test_the_guards_counters_show_on_metrics():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from gateway.netguard import GuardCollector
+
+    limits = Limits(100, max_header_bytes=2048)
+    app = App()
+    rl = RequestLimit(app, 1)
+    registry = CollectorRegistry()
+    registry.register(GuardCollector(limits, rl))
+    port = free_port()
+    config = uvicorn.Config(rl, host="127.0.0.1", port=port, lifespan="off", log_level="error", loop="asyncio",
+                            http=guarded_protocol(limits))  # type: ignore[arg-type]
+    srv = uvicorn.Server(config)
+    t = threading.Thread(target=srv.run, daemon=True)
+    t.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not srv.started:
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.01)
+        big = connect(port)
+        big.sendall(b"POST /v1/x HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 4096 + b"\r\n")
+        assert read_all(big).startswith(b"HTTP/1.1 431 ")
+        held = connect(port)
+        held.sendall(b"POST /v1/hold HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n")
+        while not rl.active:
+            assert time.monotonic() < deadline + 10, "the held request never started"
+            time.sleep(0.01)
+        assert post(port).startswith(b"HTTP/1.1 503 ")
+        text = generate_latest(registry).decode()
+        assert 'conductor_client_connection_events_total{reason="headers_too_large"} 1.0' in text
+        assert 'conductor_client_connection_events_total{reason="requests_in_progress_limit"} 1.0' in text
+        assert "conductor_client_connections_open 1.0" in text  # the held one
+        assert "conductor_client_connections_limit 100.0" in text
+        app.release.set()
+        assert held.recv(65536).startswith(b"HTTP/1.1 200 ")
+    finally:
+        app.release.set()
+        srv.should_exit = True
+        t.join(10)
