@@ -1,7 +1,7 @@
 """Experiment 7: the paper's "global cache vs per-node cache" hit rates, over the cache capacity
 each node lends (Mooncake reports up to 2.36x for a global cache).
 
-    .venv/bin/python bench/experiments/store_global.py [--limit 2000] [--gb 0,16,64,256,1024] [--workers 2]
+    .venv/bin/python bench/experiments/store_global.py [--limit 2000] [--gb 0,32,128,1024] [--workers 2]
 
 Every point is one ``conductor simulate`` pair (conductor and round robin, the same requests) on
 8 prefill + 8 decode ``llama3-70b-a800x8`` instances. Each prefill node keeps its GPU prefix
@@ -83,7 +83,7 @@ def policy_row(outcome, policy: str) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--limit", type=int, default=2000, help="first N requests of the conversation trace")
-    p.add_argument("--gb", default="0,16,64,256,1024", help="DRAM each prefill node lends, GB (0: HBM only)")
+    p.add_argument("--gb", default="0,32,128,1024", help="DRAM each prefill node lends, GB (0: HBM only)")
     p.add_argument("--prefill", type=int, default=8)
     p.add_argument("--decode", type=int, default=8)
     p.add_argument("--slo-ttft-s", type=float, default=30.0)
