@@ -17,15 +17,26 @@ instance's own (salted) block hashes, as an engine with its own hash seed would 
 Token ids live in ``array``s and requests are built one at a time, so the garbage collector
 walks only what a gateway process would hold. Timings are wall-clock on a shared machine.
 
-Run: ``.venv/bin/python bench/decision_latency.py [--quick] [--predictors DIR]`` (``DIR``: learned
-predictors written by ``conductor calibrate``, online correction on: one predictor group per
-instance; the per-policy table is then skipped).
+Run: ``.venv/bin/python bench/decision_latency.py [--quick] [--predictors analytic | --predictors learned DIR]``
+(``DIR``: learned predictors written by ``conductor calibrate``, online correction on). With
+learned predictors the run builds two identical worlds (same seed), one scheduler with the
+analytic predictors and one with the learned ones, and decides the same request stream on both,
+alternating blocks of 100 decisions, so a busy moment of a shared machine lands on both alike;
+it prints both (``compare``) and skips the per-policy table. ``--floor`` adds a third world whose
+predictors do no work (constant answers): the scheduler's own cost.
+
+Two clocks per decision: wall (``perf_counter_ns``) and the thread's CPU time
+(``thread_time_ns``), which leaves out the time the OS gave other processes (on a shared 2-core
+machine the wall p99 is mostly preemption). The garbage collector is handled as the gateway does
+(gateway/app.py): after start-up ``gc.collect()`` then ``gc.freeze()``; collections during the
+timed decisions are counted (``gc_collections``), not suppressed.
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import json
+import os
 import random
 import statistics
 import sys
@@ -36,7 +47,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from predictors.learned import learned_predictors  # noqa: E402
+from predictors.analytic import AnalyticQueue  # noqa: E402
+from predictors.base import DecodeState, Predictors  # noqa: E402
+from predictors.learned import ModelError, learned_predictors  # noqa: E402
 from scheduler import Instance, RequestFacts, Scheduler  # noqa: E402
 from scheduler.hashing import block_hashes  # noqa: E402
 
@@ -67,12 +80,32 @@ class Engine:
             assert ok, "bench events must be consistent"
 
 
+class Constant:
+    """Predictors that do no work (the floor: what a decision costs whatever the predictors)."""
+
+    def prefill_time(self, instance: str, prompt_tokens: int, cached_tokens: int) -> float:
+        return 1e-7 * (prompt_tokens - cached_tokens)
+
+    def transfer_time(self, tokens: int, source: str, destination: str) -> float:
+        return 1e-3
+
+    def tbt(self, state: DecodeState, prompt_tokens: int, max_tokens: int) -> float:
+        return 0.01
+
+
+def constant_predictors() -> Predictors:
+    c = Constant()
+    return Predictors(queue=AnalyticQueue(), prefill=c, transfer=c, tbt=c, group=lambda instance: 0)
+
+
 def build(policy: str, seed: int, quick: bool, models: str | None = None) -> tuple[Scheduler, dict]:
+    """``models``: None (analytic), a learned predictors directory, or ``"constant"`` (the floor)."""
     rng = random.Random(seed)
     now = [0.0]
     insts = [Instance(f"p{i:02d}", "prefill") for i in range(N_PREFILL)]
     insts += [Instance(f"d{i:02d}", "decode") for i in range(N_DECODE)]
-    predictors = None if models is None else learned_predictors(models)  # online: per-instance groups
+    predictors = None if models is None else (
+        constant_predictors() if models == "constant" else learned_predictors(models))  # online: per-instance groups
     sched = Scheduler(insts, policy=policy, clock=lambda: now[0], keep_decisions=1000, seed=seed,
                       predictors=predictors)
     docs = [tokens(rng, rng.randrange(2048, 8192)) for _ in range(64 if quick else 256)]
@@ -111,18 +144,24 @@ def requests(world: dict, n: int) -> Iterator[RequestFacts]:
         yield RequestFacts(f"r{k}", len(toks), block_hashes(toks, BS), rng.randrange(64, 1024))
 
 
-def run(sched: Scheduler, world: dict, reqs: Iterator[RequestFacts], warmup: int, in_flight: int = 256) -> list[float]:
-    """Decide each request, keeping ~``in_flight`` reservations; returns per-call milliseconds."""
+def run(sched: Scheduler, world: dict, reqs: Iterator[RequestFacts], warmup: int, in_flight: int = 256,
+        cpu: list[float] | None = None) -> list[float]:
+    """Decide each request, keeping ~``in_flight`` reservations; returns per-call wall milliseconds
+    (and appends per-call thread CPU milliseconds to ``cpu``)."""
     clock, rng = world["clock"], world["rng"]
-    live: list[str] = []
+    live: list[str] = world.setdefault("live", [])
     lat = []
     for k, f in enumerate(reqs):
         clock[0] += 0.01
+        c0 = time.thread_time_ns()
         t0 = time.perf_counter_ns()
         d = sched.decide(f)
         t1 = time.perf_counter_ns()
+        c1 = time.thread_time_ns()
         if k >= warmup:
             lat.append((t1 - t0) / 1e6)
+            if cpu is not None:
+                cpu.append((c1 - c0) / 1e6)
         if hasattr(d, "prefill"):
             live.append(f.request_id)
         if len(live) > in_flight:
@@ -133,6 +172,29 @@ def run(sched: Scheduler, world: dict, reqs: Iterator[RequestFacts], warmup: int
             if rng.random() < 0.1:
                 sched.prefill_done(rid)
     return lat
+
+
+def interleaved(worlds: dict[str, tuple[Scheduler, dict]], n: int, warmup: int, block: int = 100
+                ) -> dict[str, dict[str, list[float]]]:
+    """The same request stream decided by each scheduler (identical worlds), alternating blocks
+    of ``block`` decisions: wall and thread-CPU milliseconds per decision, per scheduler."""
+    streams = {name: requests(w, n + warmup) for name, (_, w) in worlds.items()}
+    out = {name: {"wall": [], "cpu": []} for name in worlds}
+    done = 0
+    while done < n + warmup:
+        k = min(block, n + warmup - done)
+        for name, (sched, w) in worlds.items():
+            chunk = [next(streams[name]) for _ in range(k)]  # built outside the timed calls
+            skip = max(0, min(k, warmup - done))
+            out[name]["wall"] += run(sched, w, iter(chunk), warmup=skip, cpu=out[name]["cpu"])
+        done += k
+    return out
+
+
+def summary(wall: list[float], cpu: list[float]) -> dict:
+    return {"decisions": len(wall), "wall_p50_ms": round(pct(wall, 0.5), 4), "wall_p99_ms": round(pct(wall, 0.99), 4),
+            "wall_max_ms": round(max(wall), 4), "cpu_p50_ms": round(pct(cpu, 0.5), 4),
+            "cpu_p99_ms": round(pct(cpu, 0.99), 4), "cpu_max_ms": round(max(cpu), 4)}
 
 
 def walk_bytes(index) -> int:
@@ -168,9 +230,28 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="100k blocks and fewer decisions (smoke run)")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--predictors", metavar="DIR",
-                    help="learned predictors from this conductor calibrate directory (default: analytic)")
+    ap.add_argument("--decisions", type=int, help="timed decisions per predictor bundle (default 20000; quick 1000)")
+    ap.add_argument("--floor", action="store_true",
+                    help="also decide the stream with predictors that do no work (constant answers): what the "
+                         "scheduler costs whatever the predictors")
+    ap.add_argument("--predictors", nargs="+", default=["analytic"], metavar="KIND",
+                    help="analytic (default), or learned DIR (a conductor calibrate directory): learned and "
+                         "analytic then decide the same stream in one run")
     args = ap.parse_args(argv)
+    kind = args.predictors[0]
+    if kind == "analytic" and len(args.predictors) == 1:
+        models = None
+    elif kind == "learned" and len(args.predictors) == 2:
+        models = args.predictors[1]
+    elif len(args.predictors) == 1 and kind not in ("analytic", "learned"):  # the old form: --predictors DIR
+        models = kind
+    else:
+        ap.error("--predictors analytic | --predictors learned DIR")
+    if models is not None:
+        try:
+            learned_predictors(models)  # a broken directory fails here, in one line, before the long build
+        except ModelError as e:
+            ap.error(str(e))
 
     rng = random.Random(args.seed)
     prompt = [rng.randrange(VOCAB) for _ in range(131072)]  # a list, as the gateway's tokenizer returns
@@ -182,11 +263,28 @@ def main(argv: list[str] | None = None) -> int:
     hash_ms = statistics.median(times)
 
     t0 = time.perf_counter()
-    sched, world = build("conductor", args.seed, args.quick, args.predictors)
+    worlds = {"analytic": build("conductor", args.seed, args.quick)}
+    if models is not None:
+        worlds["learned"] = build("conductor", args.seed, args.quick, models)
+    if args.floor:
+        worlds["constant"] = build("conductor", args.seed, args.quick, "constant")
     build_s = time.perf_counter() - t0
-    n = 1000 if args.quick else 5000
+    n = args.decisions or (1000 if args.quick else 20000)
+    gcs = [0]
+
+    def count(phase: str, info: dict) -> None:
+        if phase == "start":
+            gcs[0] += 1
+
     gc.collect()
-    lat = run(sched, world, requests(world, n + 500), warmup=500)
+    gc.freeze()  # as the gateway does after start-up (gateway/app.py)
+    gc.callbacks.append(count)
+    timings = interleaved(worlds, n, warmup=500)
+    gc.callbacks.remove(count)
+    compare = {name: summary(t["wall"], t["cpu"]) for name, t in timings.items()}
+    main_name = "learned" if models is not None else "analytic"
+    sched, _ = worlds[main_name]
+    lat = timings[main_name]["wall"]
     snap = sched.snapshot()
 
     # one 127k-token prompt (+256 output fits the 128k context) whose first 120k tokens sit on one instance
@@ -203,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     assert d.hit_tokens >= 120000, d
 
     per_policy = {}
-    for name in ([] if args.predictors else Scheduler.policy_names()):  # the policies: analytic only
+    for name in ([] if models else Scheduler.policy_names()):  # the policies: analytic only
         s2, w2 = build(name, args.seed, quick=True)
         gc.collect()
         lp = run(s2, w2, requests(w2, 1200), warmup=200)
@@ -211,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
 
     out = {
         "instances": {"prefill": N_PREFILL, "decode": N_DECODE},
-        "predictors": args.predictors or "analytic",
+        "predictors": main_name if models is None else f"learned {models}",
         "index_blocks": sum(sum(r["cached_blocks"].values()) for r in snap["instances"]),
         "index_distinct_hashes": snap["totals"]["index_blocks"],
         "build_s": round(build_s, 2),
@@ -221,10 +319,14 @@ def main(argv: list[str] | None = None) -> int:
         "decide_p50_ms": round(pct(lat, 0.5), 4),
         "decide_p99_ms": round(pct(lat, 0.99), 4),
         "decide_max_ms": round(max(lat), 4),
+        "decide_cpu_p99_ms": compare[main_name]["cpu_p99_ms"],
+        "compare": compare,
+        "gc_collections": gcs[0],
         "decide_128k_ms": round(statistics.median(long_ms), 4),
         "index_mb": round(snap["index_mb"], 1),
         "index_mb_walk": round(walk_bytes(sched.index) / 1e6, 1),
         "policies_100k_blocks": per_policy,
+        "loadavg_1m": round(os.getloadavg()[0], 2),
         "python": sys.version.split()[0],
     }
     print(json.dumps(out))

@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/learned_predictors.py [--profile llama3-8b-h200-gap] [--prefill 4 --decode 4]
         [--trace data/traces/mooncake_conversation_trace.jsonl] [--train 1500] [--train-loads 0.5,1,2]
-        [--eval 1000] [--eval-load 2] [--slo-ttft-ms 5000] [--slo-tbt-ms 25] [--holdout time|random] [--out DIR]
+        [--eval 1000] [--eval-load 2] [--slo-ttft-ms 5000] [--slo-tbt-ms 25] [--holdout time|random] [--store]
+        [--out DIR]
 
 1. Telemetry: ``simulate`` (the live scheduler, the sim engine's EngineModel in virtual time,
    analytic predictors) replays the first ``--train`` requests of the trace at each training
@@ -41,6 +42,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from prediction_error import actual_decode_step, actual_prefill  # noqa: E402
 
 from engines_adapters.sim.profiles import load_profile  # noqa: E402
+from engines_adapters.store.model import StoreSpec  # noqa: E402
 from loadgen.arrivals import sped_up  # noqa: E402
 from loadgen.metrics import summarize  # noqa: E402
 from loadgen.simulate.cluster import ClusterSpec, SchedulerSpec  # noqa: E402
@@ -59,8 +61,9 @@ def pct(x: float | None) -> str:
     return "    —" if x is None else f"{x:6.1%}"
 
 
-def run(w, cluster: ClusterSpec, slo: SLO, predictors: str, label: str) -> list[RequestRecord]:
-    sched = SchedulerSpec(policy="conductor", slo=slo)
+def run(w, cluster: ClusterSpec, slo: SLO, predictors: str, label: str, policy: str = "conductor"
+        ) -> list[RequestRecord]:
+    sched = SchedulerSpec(policy=policy, slo=slo)
     t = time.perf_counter()
     out = simulate(w, cluster, sched, predictors=predictors_factory(predictors, cluster), progress=None,
                    label=label, id_prefix=label).records
@@ -135,10 +138,17 @@ def main() -> int:
     ap.add_argument("--slo-tbt-ms", type=float, default=25)
     ap.add_argument("--holdout", choices=("time", "random"), default="time",
                     help="calibrate's hold-out: the latest 20%% of every run (default) or a random 20%%")
+    ap.add_argument("--train-policies", default="conductor",
+                    help="policies the training telemetry is simulated with, each at every training load "
+                         "(e.g. conductor,round_robin: a cache-blind policy makes prefills load from the store)")
+    ap.add_argument("--store", action="store_true",
+                    help="a shared Mooncake-style store (conductor simulate --store): prefills load what it holds, "
+                         "and the store-load term is learned")
     ap.add_argument("--out", help="keep the telemetry and models here (default: a temporary directory)")
     a = ap.parse_args()
     slo = SLO(a.slo_ttft_ms / 1e3, a.slo_tbt_ms / 1e3)
-    cluster = ClusterSpec(prefill=a.prefill, decode=a.decode, profile=a.profile)
+    store = StoreSpec(nodes=a.prefill + a.decode) if a.store else None  # as conductor simulate --store
+    cluster = ClusterSpec(prefill=a.prefill, decode=a.decode, profile=a.profile, store=store)
     whole = read_trace(a.trace, limit=a.train + a.eval)
     train_w = dataclasses.replace(whole, requests=whole.requests[:a.train])
     eval_w = dataclasses.replace(whole, requests=whole.requests[a.train:])
@@ -146,10 +156,11 @@ def main() -> int:
     os.makedirs(out, exist_ok=True)
     t0 = time.perf_counter()
     print(f"== telemetry: {a.train} requests of {Path(a.trace).name} on {a.prefill}P+{a.decode}D {a.profile}, "
-          f"conductor, analytic predictors, loads {a.train_loads} ==", flush=True)
+          f"{a.train_policies}, analytic predictors, loads {a.train_loads} ==", flush=True)
     records: list[RequestRecord] = []
-    for k, load in enumerate(float(x) for x in a.train_loads.split(",")):
-        recs = run(sped_up(train_w, load), cluster, slo, "analytic", f"s{k}-t0")
+    for k, (load, policy) in enumerate((float(x), p) for p in a.train_policies.split(",")
+                                       for x in a.train_loads.split(",")):
+        recs = run(sped_up(train_w, load), cluster, slo, "analytic", f"s{k}-t0", policy)
         for r in recs:
             r.extra["source"] = f"train-{load:g}"
         records += recs

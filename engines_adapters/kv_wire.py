@@ -23,6 +23,10 @@ import msgspec
 #: ``medium`` values used by vLLM for device and host-memory blocks.
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
+#: ``medium`` of blocks vLLM's MooncakeStoreConnector announces as written to the store (its
+#: worker's BlockStored events, lower case, as the Mooncake master's own events name memory
+#: replicas); the OffloadingConnector's host tier is the upper-case ``CPU``.
+MEDIUM_STORE = "cpu"
 
 #: Replay end-of-sequence marker (the seq frame of the last replay reply).
 END_SEQ = (-1).to_bytes(8, "big", signed=True)

@@ -31,6 +31,9 @@ from engines_adapters import kv_wire
 
 MEDIUM_GPU = "GPU"
 MEDIUM_HOST = "CPU_PINNED"
+#: ``StorageMedium.EXTERNAL`` (L4, e.g. Mooncake): what a HiCache storage backend's blocks are. SGLang
+#: 0.5.23 defines it but emits no event for L3 writes; the sim engine announces them with it.
+MEDIUM_STORE = "EXTERNAL"
 
 _SALT_PREFIX = b"sglang-cache-salt-v1\0"
 

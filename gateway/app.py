@@ -22,6 +22,7 @@ from gateway.config import GatewayConfig
 from gateway.embedded import EmbeddedCluster
 from gateway.errors import RequestError, error_response
 from gateway.indexer import Indexer
+from gateway.mooncake_master import start_mooncake
 from gateway.observability import GatewayMetrics, TelemetryWriter, make_tracer_provider
 from gateway.openapi import add_routes_outside_fastapi
 from gateway.proxy import Proxy
@@ -37,7 +38,7 @@ def create_app(cfg: GatewayConfig, guard: Any = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        embedded = cluster = None
+        embedded = cluster = master = None
         engines = list(cfg.engines)
         telemetry = TelemetryWriter(cfg.telemetry_path)
         provider = make_tracer_provider(cfg.otel_exporter, cfg.otel_endpoint)
@@ -48,6 +49,7 @@ def create_app(cfg: GatewayConfig, guard: Any = None) -> FastAPI:
                          em.prefill, em.decode, em.both, em.profile, em.time_scale)
                 embedded = EmbeddedCluster(em)
                 engines += embedded.plan()
+            master = state["master"] = await start_mooncake(cfg, embedded)
             cluster = Cluster(cfg, engines)
             cluster.open_kv_events()  # bound before any engine starts: the embedded ones get the real ports
             if embedded is not None:
@@ -74,6 +76,8 @@ def create_app(cfg: GatewayConfig, guard: Any = None) -> FastAPI:
                 await cluster.stop(timeout_s=cfg.shutdown_timeout_s / 4)
             if embedded is not None:
                 embedded.stop(timeout_s=cfg.shutdown_timeout_s / 4)
+            if master is not None:  # after its clients (the engines)
+                master.stop(timeout_s=cfg.shutdown_timeout_s / 4)
             telemetry.close()
             if provider is not None:
                 provider.shutdown()
@@ -130,7 +134,10 @@ def create_app(cfg: GatewayConfig, guard: Any = None) -> FastAPI:
     @app.get("/admin/store")
     async def admin_store():
         tier = state["cluster"].store_tier
-        return tier.view() if tier is not None else {"store": None}
+        view = tier.view() if tier is not None else {"store": None}
+        if state.get("master") is not None:
+            view["master"] = state["master"].view()
+        return view
 
     async def admin_decisions(request: Request):
         try:

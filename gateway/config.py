@@ -65,6 +65,14 @@ class StoreConfig:
     cache_ttl_s: float = 1.0  # query mode: how long an answer is trusted
     cache_max_keys: int = 1_000_000
     timeout_s: float = 1.0
+    # a real Mooncake store (docs/store.md §7): kind "mooncake"; serve starts its master on loopback
+    # (start_master, url then left empty), or attaches to one whose RPC address master_rpc names;
+    # either way the embedded engines put and get real bytes through it
+    kind: str = "sim"  # sim: anything answering the master's admin HTTP; mooncake: a real mooncake_master
+    start_master: bool = False
+    master_bin: str | None = None  # default: mooncake_master beside this Python, else on PATH
+    master_args: list[str] = field(default_factory=list)  # extra mooncake_master flags
+    master_rpc: str | None = None  # "127.0.0.1:PORT" of an attached master (set when serve starts one)
 
 
 @dataclass
@@ -81,6 +89,7 @@ class EmbeddedConfig:
     # and the gateway's store tier reads its KV events
     store: bool = True
     store_gb: float = 64.0
+    store_write: str = "through"  # the engines' --kv-store-write: through (HiCache's default) | back
 
 
 @dataclass
@@ -187,6 +196,21 @@ def parse_config(raw: dict[str, Any], environ: Mapping[str, str] | None = None) 
     return cfg
 
 
+def _validate_mooncake(st: StoreConfig) -> None:
+    if st.kind not in ("sim", "mooncake"):
+        raise ConfigError(f"store: kind must be sim or mooncake, got {st.kind!r}")
+    if (st.start_master or st.master_rpc) and st.kind != "mooncake":
+        raise ConfigError('store: start_master and master_rpc need kind = "mooncake"')
+    if st.start_master and (st.url or st.master_rpc):
+        raise ConfigError("store: start_master chooses the master's ports itself: leave url and master_rpc out")
+    if not isinstance(st.master_args, list) or not all(isinstance(a, str) for a in st.master_args):
+        raise ConfigError("store: master_args must be a list of strings")
+    if st.master_rpc is not None:
+        host, _, port_ = str(st.master_rpc).rpartition(":")
+        if host not in ("127.0.0.1", "localhost") or not port_.isdigit() or not 0 < int(port_) < 65536:
+            raise ConfigError(f"store: master_rpc must be 127.0.0.1:PORT (loopback only), got {st.master_rpc!r}")
+
+
 def _prior(raw: Any) -> Prior:
     if not isinstance(raw, dict):
         raise ConfigError("prior: expected a table of rules of thumb")
@@ -263,7 +287,8 @@ def validate(cfg: GatewayConfig) -> None:
             raise ConfigError(f"embedded: unknown profile {em.profile!r}; known: {', '.join(profile_names())}")
     if cfg.store is not None:
         st = cfg.store
-        if not st.url.startswith(("http://", "https://")):
+        _validate_mooncake(st)
+        if not st.start_master and not st.url.startswith(("http://", "https://")):
             raise ConfigError(f"store: url must be http(s)://... (the master's admin HTTP), got {st.url!r}")
         if st.key_recipe not in ("vllm", "sglang"):
             raise ConfigError(f"store: key_recipe must be vllm or sglang, got {st.key_recipe!r}")
@@ -275,6 +300,8 @@ def validate(cfg: GatewayConfig) -> None:
             raise ConfigError("store: model is required (the engines' model name, as it appears in store keys)")
     if cfg.embedded is not None and cfg.embedded.store_gb <= 0:
         raise ConfigError("embedded: store_gb must be > 0")
+    if cfg.embedded is not None and cfg.embedded.store_write not in ("through", "back"):
+        raise ConfigError(f"embedded: store_write must be 'through' or 'back', got {cfg.embedded.store_write!r}")
     if cfg.predictors not in PREDICTORS:
         raise ConfigError(f"predictors must be one of {PREDICTORS}, got {cfg.predictors!r}")
     if cfg.predictors == "learned" and not cfg.predictor_models:

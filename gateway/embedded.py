@@ -53,6 +53,11 @@ def kill_all() -> None:
             pass
 
 
+def hash_seed() -> str:
+    """The engines' PYTHONHASHSEED (vLLM's prefix-hash chain seed, inside their store keys)."""
+    return os.environ.get("PYTHONHASHSEED", "0")
+
+
 class EmbeddedCluster:
     def __init__(self, cfg: EmbeddedConfig):
         self.cfg = cfg
@@ -60,6 +65,14 @@ class EmbeddedCluster:
         self.engines: list[EngineConfig] = []
         self.store: StoreConfig | None = None  # the embedded store, once started
         self._store_proc: subprocess.Popen | None = None
+        self._kv_store: list[str] = []  # the engines' store flags when the store is a real master
+
+    def use_mooncake(self, st: StoreConfig) -> None:
+        """Prefill engines put and get real bytes through the Mooncake master ``st`` names (its
+        ``master_rpc``) instead of a sim-store; ``st`` gets the engines' model and hash seed."""
+        self._kv_store = ["--kv-store", f"mooncake://{st.master_rpc}", "--kv-store-recipe", st.key_recipe]
+        st.model = st.model or load_profile(self.cfg.profile).model["name"]
+        st.hash_seed = hash_seed()
 
     def _start_store(self, env: dict[str, str]) -> StoreConfig:
         port, events = free_port(), free_port()
@@ -99,8 +112,8 @@ class EmbeddedCluster:
 
     def launch(self) -> None:
         """Start the store (if any) and the planned engines, with the KV-event endpoints as bound."""
-        env = {**os.environ, "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED", "0")}
-        if self.cfg.store:
+        env = {**os.environ, "PYTHONHASHSEED": hash_seed()}
+        if self.cfg.store and not self._kv_store:
             self.store = self._start_store(env)
         for i, e in enumerate(self.engines):
             extra = sim_flavor_args(e.protocol)
@@ -113,8 +126,11 @@ class EmbeddedCluster:
                     "--kv-events", str(e.kv_events), "--kv-events-replay", str(e.kv_events_replay),
                     "--profile", self.cfg.profile, "--time-scale", str(self.cfg.time_scale),
                     "--seed", str(self.cfg.seed + i), *self.cfg.extra_args]
-            if self.store is not None and e.role != "decode":  # optional: the engine starts before the store answers
-                args += ["--kv-store", self.store.url, "--kv-store-optional", "--kv-store-recipe", self._store_recipe()]
+            if self._kv_store and e.role != "decode":  # the master answers already: not optional
+                args += [*self._kv_store, "--kv-store-write", self.cfg.store_write]
+            elif self.store is not None and e.role != "decode":  # optional: it starts before the store answers
+                args += ["--kv-store", self.store.url, "--kv-store-optional", "--kv-store-recipe", self._store_recipe(),
+                         "--kv-store-write", self.cfg.store_write]
             self.procs.append(subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent))
             _LIVE.add(self.procs[-1])
 
@@ -151,19 +167,23 @@ class EmbeddedCluster:
         return e.bootstrap_port is not None
 
     def stop(self, timeout_s: float = 2.0) -> None:
-        """Stop every process within ``timeout_s``: SIGTERM (and SIGCONT, so a stopped one hears
-        it), then SIGKILL whatever is still there at the deadline."""
-        for p in self.procs:
-            if p.poll() is None:
-                p.terminate()
-                p.send_signal(signal.SIGCONT)
-        deadline = time.monotonic() + timeout_s
-        for p in self.procs:
-            try:
-                p.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-        for p in self.procs:
-            p.wait()
-            _LIVE.discard(p)
+        stop_processes(self.procs, timeout_s)
         self.procs.clear()
+
+
+def stop_processes(procs: list[subprocess.Popen], timeout_s: float) -> None:
+    """Stop every process within ``timeout_s``: SIGTERM (and SIGCONT, so a stopped one hears
+    it), then SIGKILL whatever is still there at the deadline; all reaped."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+            p.send_signal(signal.SIGCONT)
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+    for p in procs:
+        p.wait()
+        _LIVE.discard(p)

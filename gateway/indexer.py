@@ -147,12 +147,13 @@ class Indexer:
         bs = self.block_size
         index = self.cluster.scheduler.index
         m = index.match(hashes, usable)
+        held = index.match_held(hashes, usable)  # CPU: device, host, or what it wrote to the store
         ids = list(self.cluster.engines) + [r[0] for r in self._registered.values()]
         out: dict[str, dict] = {}
         for iid in ids:
             if instance is not None and iid != instance:
                 continue
-            gpu, cpu = m.device.get(iid, 0) * bs, m.local.get(iid, 0) * bs
+            gpu, cpu = m.device.get(iid, 0) * bs, held.get(iid, 0) * bs
             out[iid] = {"longest_matched": max(gpu, cpu), "GPU": gpu, "CPU": cpu, "DISK": 0,
                         "DP": {"0": max(gpu, cpu)}}
         tier = self.cluster.store_tier

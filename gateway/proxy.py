@@ -169,13 +169,14 @@ class Proxy:
             facts = RequestFacts(rec.request_id, len(tokens), block_hashes(tokens, self.cfg.block_size, root),
                                  req.max_tokens, slo, tenant=key and key.name, model=req.model, adapter=lora,
                                  priority=key and key.tenant.priority)
-            ix = self.indexer  # (the indexer API and the store know the base namespace only)
+            ix = self.indexer  # (the indexer API knows the base namespace only)
             if ix is not None and ix.remember_prompts and root is None:  # /query_by_hash in use: map this prompt
                 asyncio.get_running_loop().call_soon(ix.remember, tokens, facts.block_hashes)
             tier = self.cluster.store_tier
-            if tier is not None and root is None:  # what the shared store holds of this prompt (None: tier stale)
+            if tier is not None:  # what the shared store holds of this prompt (None: tier stale), in its namespace
                 usable = min(len(facts.block_hashes), (len(tokens) - 1) // self.cfg.block_size)
-                facts.store_blocks = await tier.lookup(tokens, facts.block_hashes, usable)
+                facts.store_blocks = await tier.lookup(tokens, facts.block_hashes, usable,
+                                                       (salt, lora) if root is not None else None)
             try:
                 return await self._watching(request, self._place_and_drive(req, facts, guard))
             except ClientGone:

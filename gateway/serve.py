@@ -126,6 +126,9 @@ def _check_store(cfg) -> None:
     st = cfg.store
     if st is None:
         return
+    _check_mooncake(cfg)
+    if st.start_master:
+        return
     import json
     import urllib.request
 
@@ -140,6 +143,29 @@ def _check_store(cfg) -> None:
                            "or set [store] optional = true")
         logging.getLogger("conductor").warning("the KV store at %s does not answer; running without it until "
                                                "it does", st.url)
+
+
+def _check_mooncake(cfg: GatewayConfig) -> None:
+    """A master to start must be installed; embedded engines that will open the real Mooncake
+    client (wildcard listeners) need a network namespace with only loopback up."""
+    st = cfg.store
+    if st is None or st.kind != "mooncake":
+        return
+    if st.start_master:
+        from gateway.mooncake_master import MasterMissing, find_master
+
+        try:
+            find_master(st.master_bin)
+        except MasterMissing as e:
+            raise CLIError(str(e)) from None
+    em = cfg.embedded
+    if em is not None and em.store and em.prefill + em.both > 0 and (st.start_master or st.master_rpc):
+        from engines_adapters.store.mooncake import NETNS_HINT, loopback_only
+
+        why = loopback_only()
+        if why is not None:
+            raise CLIError(f"the embedded engines would open the Mooncake client here ({why}): {NETNS_HINT}; "
+                           "or set [embedded] store = false")
 
 
 def _check_bindable(host: str, port_: int) -> None:

@@ -10,7 +10,8 @@ Two ways to know, as Mooncake-aware routers do (docs/store.md):
   cache already knows, stopping at the first miss.
 
 Keys are the engines' own (engines_adapters/store/keys.py: vLLM's MooncakeStoreConnector or
-SGLang HiCache's recipe), computed once per distinct block thanks to a memo by our index hash.
+SGLang HiCache's recipe, a salted or LoRA request's namespace folded in as the engine folds it),
+computed once per distinct block thanks to a memo by our (namespaced) index hash.
 A store that stops answering marks the tier stale: lookups return None (the decision goes on
 without the store) until a health check succeeds, which resyncs (events: every key again).
 """
@@ -19,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 
 import aiohttp
 import zmq
@@ -27,8 +28,9 @@ import zmq.asyncio
 
 from engines_adapters.store.client import StoreClient, StoreUnavailable
 from engines_adapters.store.events import StoreEventError, decode_payload
-from engines_adapters.store.keys import KeyBook, KeyRecipe
+from engines_adapters.store.keys import KeyBook, KeyRecipe, Namespace
 from gateway.config import StoreConfig
+from scheduler.prefix_runs import HeldPrefixes
 
 log = logging.getLogger("conductor.store")
 
@@ -37,13 +39,23 @@ class StoreTier:
     def __init__(self, cfg: StoreConfig, block_size: int, model: str):
         self.cfg = cfg
         self.recipe = KeyRecipe(cfg.key_recipe, model, block_size, seed_text=cfg.hash_seed, algo=cfg.hash_algo)
-        self.book = KeyBook(self.recipe)
+        self.book = KeyBook(self.recipe, on_learn=self._learned, on_forget=self._forgot)
         self.mode = "events" if cfg.kv_events else "query"
         self.resident: set[bytes] = set()  # events mode: digests of blocks the store holds
-        # the same blocks by our index hash, for those a lookup has mapped already: the walk over
-        # a long prompt is then one C-speed pass (a digest per block would be three)
-        self._held_idx: set[int] = set()
-        self._idx_of: dict[bytes, int] = {}
+        # digests the memo knows, and resident ones it does not ("foreign": written for prompts
+        # this gateway never looked up, or dropped from the bounded memo). While there are none,
+        # a block the memo lacks cannot be resident, and a lookup skips hashing it.
+        self._known: set[bytes] = set()
+        self._foreign: set[bytes] = set()
+        # the same blocks by our index hash, for those a lookup has mapped already, kept
+        # prefix-closed (a block is in only while its whole prefix is held): a prompt's mapped
+        # prefix is then found by bisection, a few probes however long it is
+        self._held = HeldPrefixes()
+        self._idx_of: dict[bytes, int] = {}  # digest -> index hash, for the blocks mapped
+        # blocks of prompts looked up and not (yet) held: when the store's events bring one in
+        # (the prefill's write-through), it is mapped at once, so the next turn bisects past it
+        self._pending: OrderedDict[bytes, tuple[int, int | None]] = OrderedDict()  # digest -> (hash, parent)
+        self.max_pending = 1 << 20
         self._cache: dict[str, tuple[bool, float]] = {}  # query mode: key -> (held, expires)
         self.stale = True
         self.client: StoreClient | None = None
@@ -102,8 +114,10 @@ class StoreTier:
             assert self.client is not None
             digest_of = self.recipe.digest_of
             self.resident = {d for d in map(digest_of, await self.client.all_keys()) if d is not None}
-            self._held_idx.clear()
+            self._foreign = self.resident - self._known
+            self._held.clear()
             self._idx_of.clear()
+            self._pending.clear()
 
     async def _subscribe(self) -> None:
         assert self._zmq is not None and self.cfg.kv_events
@@ -139,23 +153,46 @@ class StoreTier:
             self.events += 1
             if ev.kind == "stored":
                 self.resident.add(d)
+                if d not in self._known:
+                    self._foreign.add(d)
+                p = self._pending.pop(d, None)
+                if p is not None and self._held.add_child(p[1], p[0]):
+                    self._idx_of[d] = p[0]
             else:
                 self.resident.discard(d)
+                self._foreign.discard(d)
                 h = self._idx_of.pop(d, None)
                 if h is not None:
-                    self._held_idx.discard(h)
+                    self._held.remove(h)  # and the mapped blocks after it: their prefix is broken
+
+    def _learned(self, digests: list[bytes]) -> None:
+        self._known.update(digests)
+        if self._foreign:
+            self._foreign.difference_update(digests)
+
+    def _forgot(self, d: bytes) -> bool:
+        """The memo is full: keep the digests of resident blocks (a lookup needs them), drop the rest."""
+        if d in self.resident:
+            return True
+        self._known.discard(d)
+        self._pending.pop(d, None)
+        if d in self.resident:
+            self._foreign.add(d)
+        return False
 
     # --- the per-request lookup ----------------------------------------------------------------
-    async def lookup(self, tokens: list[int], hashes: list[int], usable: int) -> int | None:
-        """Leading blocks (of the first ``usable``) the store holds; None while the tier is stale."""
+    async def lookup(self, tokens: list[int], hashes: list[int], usable: int, ns: Namespace = None) -> int | None:
+        """Leading blocks (of the first ``usable``) the store holds; None while the tier is stale.
+        ``ns``: the request's (cache salt, LoRA adapter) when it has one (``hashes`` are then its
+        namespaced chain)."""
         if self.stale or usable <= 0:
             return None
         t0 = time.perf_counter()
         try:
             if self.mode == "events":
-                n = self.held_prefix(tokens, hashes, usable)
+                n = self.held_prefix(tokens, hashes, usable, ns)
             else:
-                n = await self._query(tokens, hashes, usable)
+                n = await self._query(tokens, hashes, usable, ns)
         except StoreUnavailable as e:
             self._drop(str(e))
             return None
@@ -163,38 +200,43 @@ class StoreTier:
         self.lookup_s.append(time.perf_counter() - t0)
         return n
 
-    def held_prefix(self, tokens: list[int], hashes: list[int], usable: int) -> int:
+    def held_prefix(self, tokens: list[int], hashes: list[int], usable: int, ns: Namespace = None) -> int:
         """Events mode, synchronous: leading memoised digests in the resident set."""
-        held = self._held_idx.__contains__
-        k, step = 0, 32
-        while k < usable:  # the blocks mapped already, in growing chunks
-            flags = list(map(held, hashes[k:min(usable, k + step)]))
-            if not all(flags):
-                k += flags.index(False)
-                break
-            k += len(flags)
-            step *= 2
-        if k == usable:
-            return k
-        # beyond: digests (remembered, or hashed now up to the first miss); after this decision,
-        # remember the held ones by index hash and the rest of the prompt's digests (its next turn)
-        n = self.book.held_prefix(tokens, hashes, usable, self.resident, start=k)
-        asyncio.get_running_loop().call_soon(self._remember, tokens, hashes, k, n, usable)
+        k = self._held.known(hashes, usable)  # the blocks mapped already
+        # beyond: digests (remembered, or hashed now up to the first miss)
+        n = k if k == usable else self.book.held_prefix(tokens, hashes, usable, self.resident, start=k, ns=ns,
+                                                         hash_unknown=bool(self._foreign))
+        if n > k or len(hashes) > n:  # after this decision: map the held ones, remember the rest's digests
+            asyncio.get_running_loop().call_soon(self._remember, tokens, hashes, k, n, ns)
         return n
 
-    def _remember(self, tokens: list[int], hashes: list[int], k: int, n: int, usable: int) -> None:
+    def _remember(self, tokens: list[int], hashes: list[int], k: int, n: int, ns: Namespace = None) -> None:
+        """Map blocks k..n (held at the lookup) and remember the digests of all the prompt's
+        complete blocks beyond: the engine writes them all, so their events find them known."""
         memo, resident = self.book._memo, self.resident
-        for h in hashes[k:n]:
+        for i in range(k, n):
+            h = hashes[i]
             d = memo.get(h)
-            if d is not None and d in resident:  # still held (an event may have come since)
-                self._held_idx.add(h)
-                self._idx_of[d] = h
-        if n < usable and hashes[usable - 1] not in memo:
-            self.book.digests(tokens, hashes, usable)
+            if d is None or d not in resident:  # gone since the lookup (an event came): the run ends here
+                n = i
+                break
+            self._idx_of[d] = h
+        self._held.add_run(hashes, k, n)  # (nothing if a block before k left meanwhile)
+        total = len(hashes)
+        if n < total:
+            if hashes[total - 1] not in memo:
+                self.book.digests(tokens, hashes, total, ns)
+            pending = self._pending
+            for i in range(n, total):  # mapped as soon as the store says it holds them
+                d = memo.get(hashes[i])
+                if d is not None:
+                    pending[d] = (hashes[i], hashes[i - 1] if i else None)
+            while len(pending) > self.max_pending:
+                pending.popitem(last=False)
 
-    async def _query(self, tokens: list[int], hashes: list[int], usable: int) -> int:
+    async def _query(self, tokens: list[int], hashes: list[int], usable: int, ns: Namespace = None) -> int:
         assert self.client is not None
-        keys = self.book.keys(tokens, hashes, usable)
+        keys = self.book.keys(tokens, hashes, usable, ns)
         now = time.monotonic()
         cache = self._cache
         n = 0

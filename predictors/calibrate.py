@@ -157,6 +157,26 @@ def plots(out: str, scored: dict[str, Scored], q: float) -> list[str]:
     return paths
 
 
+#: Held-out rows a term needs before it can be judged worse than the prior (and left to it).
+MIN_JUDGED_ROWS = 10
+#: Where each term's held-out score is (a load is judged alone: the leg minus the learned prefill).
+_SCORED_AS = {"prefill": "prefill", "tbt": "tbt", "transfer": "handover", "store": "store_load", "host": "host_load"}
+
+
+def _worse_than_prior(holdout_metrics: dict[str, Any]) -> dict[str, str]:
+    """Terms whose held-out MAPE is above the analytic prior's: the prior keeps answering them."""
+    out = {}
+    for term, key in _SCORED_AS.items():
+        m = holdout_metrics.get(key)
+        if not m or m["learned"].get("n", 0) < MIN_JUDGED_ROWS:
+            continue
+        lm, am = m["learned"].get("mape"), m["analytic"].get("mape")
+        if lm is not None and am is not None and lm > am:
+            out[term] = (f"held-out MAPE {lm:.1%} over {m['learned']['n']} rows is worse than the analytic prior's "
+                         f"{am:.1%}")
+    return out
+
+
 def calibrate(records: list[RequestRecord], out: str, *, holdout: str = "time", fraction: float = 0.2,
               q: float = 0.9, deployment: str | None = None, min_rows: int = MIN_ROWS, seed: int = 0,
               telemetry: list[str] | None = None, draw: bool = True, log: Any = None) -> dict[str, Any]:
@@ -168,7 +188,7 @@ def calibrate(records: list[RequestRecord], out: str, *, holdout: str = "time", 
             "handover": len(ds.handover), "queue": len(ds.queue)}
     say(f"{len(records)} records, {ds.used} usable; rows: " + ", ".join(f"{k} {v}" for k, v in rows.items()))
     train, held = split(ds, holdout, fraction, seed)
-    trial, missing = fit_all(ds, train, q, min_rows=min_rows)
+    trial, missing = fit_all(ds, train, q, min_rows=min_rows, calibration="cv", seed=seed)
     if not trial.terms:
         raise DataError("too little data to fit any term: " + "; ".join(f"{k}: {v}" for k, v in missing.items()))
     scored = score(trial, ds, held)
@@ -181,10 +201,14 @@ def calibrate(records: list[RequestRecord], out: str, *, holdout: str = "time", 
     if short.terms:
         ex = score(short, ds, lambda row: row.prompt_tokens > p90_prompt)
         extrapolation = {"max_prompt_tokens": p90_prompt, "metrics": metrics_of(ex)}
-    final, missing = fit_all(ds, None, q, min_rows=min_rows)
+    final, missing = fit_all(ds, None, q, min_rows=min_rows, calibration="cv", seed=seed)
+    worse = _worse_than_prior(holdout_metrics)  # a learned term that loses to the prior held out is not served
+    final = LearnedModels({t: m for t, m in final.terms.items() if t not in worse}, final.meta, final.ttft_p90_scale)
+    missing.update(worse)
     final = LearnedModels(final.terms, {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                         "telemetry": telemetry or [], "records": len(records), "quantile": q,
-                                        "deployments": sorted(ds.deployments)})
+                                        "deployments": sorted(ds.deployments), **final.meta},
+                          final.ttft_p90_scale)
     os.makedirs(out, exist_ok=True)
     models_path = final.save(out)
     models_info = {t: (f"pooled over {m.pooled.n} rows" if m.pooled else "no pooled model")

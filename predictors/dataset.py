@@ -7,9 +7,13 @@ Instances are told apart per run (:func:`run_of`): one telemetry file, one simul
 
 * **prefill**: a prefill instance serves its queue first come, first served, so a request's own
   prefill is its *service time*: from when it could start (its leg began and the request ahead
-  of it on that instance finished) to its end. Requests finishing in the same engine step are one
-  row (their features add up: the model is linear). ``clean`` rows (the instance was idle and
-  nobody joined before the end) are lone prefills, the ones accuracy is reported on.
+  of it on that instance finished) to its end. A prefix the decision expected the engine to load
+  first (from the shared store, or the instance's host tier: ``transfer_from``,
+  ``host_load_tokens``) is inside that time: the row carries the tokens loaded, so the store and
+  host-tier load terms are fitted on top of the prefill (rows pulling from a peer are skipped).
+  Requests finishing in the same engine step are one row (their features add up: the model is
+  linear). ``clean`` rows (the instance was idle and nobody joined before the end) are lone
+  prefills, the ones accuracy is reported on.
 * **queue**: the wait before that start, and the Mooncake queue it implies (the requests ahead,
   as the ledger held them) for any prefill predictor: reconstructed per row.
 * **transfer** (prefill -> decode KV shipment): the hand-over gap, from the prefill leg's end to
@@ -21,12 +25,13 @@ Instances are told apart per run (:func:`run_of`): one telemetry file, one simul
 from __future__ import annotations
 
 import re
-from bisect import bisect_left, bisect_right
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 from predictors.facts import Deployment, load_deployment
 from predictors.telemetry import RequestRecord
+from predictors.types import Tier
 
 #: Token gaps a TBT row needs (a Mooncake TBT over fewer is mostly noise).
 MIN_TBT_INTERVALS = 8
@@ -43,6 +48,14 @@ class PrefillRow:
     service_s: float
     clean: bool
     request_ids: list[str] = field(default_factory=list)
+    store_tokens: int = 0  # loaded from the shared store before the prefill (all requests of the row)
+    store_loads: int = 0
+    host_tokens: int = 0  # loaded from the instance's host tier before the prefill
+    host_loads: int = 0
+
+    @property
+    def loads(self) -> bool:
+        return bool(self.store_loads or self.host_loads)
 
     @property
     def prompt_tokens(self) -> int:
@@ -181,6 +194,12 @@ def build_dataset(records: Iterable[RequestRecord], default_deployment: str | No
     for inst, rs in by_inst.items():
         rs.sort(key=lambda r: (r.prefill_end_s or 0.0, r.decided_s or 0.0))
         starts: list[float] = sorted(r.prefill_start_s or 0.0 for r in rs)
+        # the latest end among the legs started up to each start: a leg started earlier and still
+        # running (a long prefill a short one overtook in a shared chunked step, a prefix load)
+        by_start = sorted(rs, key=lambda r: r.prefill_start_s or 0.0)
+        running_until: list[float] = []
+        for o in by_start:
+            running_until.append(max(running_until[-1] if running_until else float("-inf"), o.prefill_end_s or 0.0))
         prev_end = float("-inf")
         current: PrefillRow | None = None
         start_eff: dict[str, float] = {}
@@ -189,20 +208,31 @@ def build_dataset(records: Iterable[RequestRecord], default_deployment: str | No
             dep = _deployment(r.prefill_deployment, default_deployment, deployments, "prefill_deployment")
             start = max(r.prefill_start_s, prev_end)
             start_eff[r.request_id] = start
-            if r.transfer_tokens:
-                skip("prefix pulled before the prefill")
+            store = r.transfer_tokens if r.transfer_from == Tier.STORE else 0
+            if r.transfer_tokens and not store:
+                skip("prefix pulled from a peer before the prefill" if r.transfer_from else
+                     "prefix pulled before the prefill (source not recorded)")
                 prev_end = r.prefill_end_s
                 current = None
                 continue
+            host = max(0, r.host_load_tokens)
             if current is not None and r.prefill_end_s - prev_end <= 1e-9:  # finished in the same step
                 current.items.append((r.prompt_tokens, r.hit_tokens))
                 current.request_ids.append(r.request_id)
                 current.clean = False
+                current.store_tokens += store
+                current.store_loads += bool(store)
+                current.host_tokens += host
+                current.host_loads += bool(host)
                 continue
-            later = bisect_right(starts, r.prefill_start_s)  # the next leg to start on this instance
-            joined = later < len(starts) and starts[later] < r.prefill_end_s
+            before = bisect_left(starts, r.prefill_start_s)  # legs started strictly before this one
+            # another leg started while this one ran (its own start counted once: same-time starts join)
+            joined = bisect_left(starts, r.prefill_end_s) - before > 1
+            overlapped = before > 0 and running_until[before - 1] > r.prefill_start_s
             current = PrefillRow(pos(r), dep, [(r.prompt_tokens, r.hit_tokens)], r.prefill_end_s - start,
-                                 clean=prev_end <= r.prefill_start_s and not joined, request_ids=[r.request_id])
+                                 clean=prev_end <= r.prefill_start_s and not joined and not overlapped,
+                                 request_ids=[r.request_id], store_tokens=store, store_loads=int(bool(store)),
+                                 host_tokens=host, host_loads=int(bool(host)))
             prefill.append(current)
             prev_end = r.prefill_end_s
         # the queue each request found: the requests decided before it and not yet prefilled

@@ -11,7 +11,7 @@ physical units, so the pooled weights are inverse efficiencies shared across har
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -27,11 +27,13 @@ from predictors.learned import (
     TermModels,
     dot,
     group_of,
+    load_features,
     physics,
     prefill_features,
     tbt_features,
     transfer_features,
 )
+from predictors.types import Tier
 
 #: Rows a model needs (per group; the pooled model needs as many in all).
 MIN_ROWS = 30
@@ -110,15 +112,30 @@ def quantile_weights(x: np.ndarray, y: np.ndarray, scale: np.ndarray, q: float) 
     return tuple(coef) if all(np.isfinite(coef)) else None
 
 
+def median_weights(x: np.ndarray, y: np.ndarray, offset: np.ndarray) -> np.ndarray:
+    """Non-negative weights minimising the absolute error relative to y (a relative median): for a
+    term whose observations are heavy-tailed (a store load queued behind other transfers on a
+    store node's link is 1.5x its roofline at the median, 4.5x at p75, 10x at p90), least squares
+    follows the tail; the median follows the typical load."""
+    reg = QuantileRegressor(quantile=0.5, alpha=0.0, fit_intercept=False, solver="highs")
+    reg.fit(x, y - offset, sample_weight=1.0 / np.maximum(y, 1e-9))
+    out: np.ndarray = np.maximum(reg.coef_, 0.0)
+    return out
+
+
 def fit_term(f: Fitted, q: float = P90, min_rows: int = MIN_ROWS, offset: np.ndarray | None = None,
-             rel: np.ndarray | None = None, quantiles: bool = True) -> TermModels | None:
-    """Pooled model plus one per group with enough rows; None when even the pool is too small."""
+             rel: np.ndarray | None = None, quantiles: bool = True, median: bool = False) -> TermModels | None:
+    """Pooled model plus one per group with enough rows; None when even the pool is too small.
+    ``median``: the point is a relative median (:func:`median_weights`), not least squares."""
     if len(f.y) < min_rows:
         return None
     off = np.zeros_like(f.y) if offset is None else offset
 
     def one(idx: np.ndarray) -> TermModel:
-        w = fit_weights(f.x[idx], f.y[idx], off[idx], None if rel is None else rel[idx])
+        w = median_weights(f.x[idx], f.y[idx], off[idx]) if median else fit_weights(
+            f.x[idx], f.y[idx], off[idx], None if rel is None else rel[idx])
+        if not w.any():  # a median of zero (most rows already explained by the offset): least squares
+            w = fit_weights(f.x[idx], f.y[idx], off[idx])
         pred = f.x[idx] @ w + off[idx]
         base = f.y[idx] if rel is None else rel[idx]
         mape = float(np.mean(np.abs(pred - f.y[idx]) / np.maximum(base, 1e-12)))
@@ -166,6 +183,15 @@ class Physics:
         bw = min(self.d[src].net_bytes_per_s, self.d[dst].net_bytes_per_s)
         return transfer_features(self.unit[dst], self.ts(dst), tokens, bw)
 
+    def load_x(self, dep: str, tier: str, tokens: int, loads: int) -> list[float]:
+        return load_features(self.unit[dep], self.ts(dep), tier, tokens, loads)
+
+    def analytic_load(self, dep: str, tier: str, tokens: int, loads: int) -> float:
+        """The prior's load (predictors/analytic.py AnalyticTransfer): latency + bytes / bandwidth."""
+        r = self.prior_roofline[dep]
+        bw = (r.store_bytes_per_s or r.net_bytes_per_s) if tier == Tier.STORE else r.host_bytes_per_s
+        return loads * r.transfer_latency_s + tokens * r.kv_bytes_per_token / bw
+
     def analytic_prefill(self, dep: str, items: Sequence[tuple[int, int]]) -> float:
         return sum(roofline_prefill_s(self.prior_roofline[dep], p, c) for p, c in items)
 
@@ -176,6 +202,25 @@ class Physics:
         s, d = self.prior_roofline[src], self.prior_roofline[dst]
         return max(s.transfer_latency_s, d.transfer_latency_s) + tokens * d.kv_bytes_per_token / min(
             s.net_bytes_per_s, d.net_bytes_per_s)
+
+
+#: The prefix-load terms: (term, tier, the row's tokens and loads of that tier).
+LOADS: tuple[tuple[str, str, Callable[[PrefillRow], tuple[int, int]]], ...] = (
+    ("store", Tier.STORE, lambda r: (r.store_tokens, r.store_loads)),
+    ("host", Tier.HOST, lambda r: (r.host_tokens, r.host_loads)))
+
+
+def load_rows(rows: Sequence[PrefillRow], term: str) -> list[PrefillRow]:
+    """Lone prefills that loaded a prefix of this term's kind only (the store or the host tier)."""
+    return [r for r in rows if r.clean and (r.store_loads if term == "store" else r.host_loads)
+            and not (r.host_loads if term == "store" else r.store_loads)]
+
+
+def load_matrix(ph: Physics, rows: Sequence[PrefillRow], term: str, tier: str,
+                amount: Callable[[PrefillRow], tuple[int, int]]) -> Fitted:
+    return Fitted(np.array([ph.load_x(r.deployment, tier, *amount(r)) for r in rows]).reshape(-1, 2),
+                  np.array([r.service_s for r in rows]), [group_of(r.deployment) for r in rows],
+                  np.array([r.t for r in rows]))
 
 
 def prefill_matrix(ph: Physics, rows: Sequence[PrefillRow]) -> Fitted:
@@ -205,6 +250,12 @@ def predict(models: TermModels, group: str, x: Sequence[float]) -> tuple[float, 
     return dot(m.coef, x), m.upper(x)
 
 
+def raw_upper(models: TermModels, group: str, x: Sequence[float]) -> float:
+    m, _ = models.for_group(group_of(group))
+    assert m is not None
+    return m.raw_upper(x)
+
+
 def first_step(models: LearnedModels, ph: Physics, r: HandoverRow) -> float:
     tm = models.terms.get("tbt")
     if tm is None:
@@ -212,13 +263,8 @@ def first_step(models: LearnedModels, ph: Physics, r: HandoverRow) -> float:
     return predict(tm, r.dst_deployment, ph.tbt_x(r.dst_deployment, r.running, r.kv_tokens, r.tokens, r.max_tokens))[0]
 
 
-def fit_all(ds: Dataset, train: Callable[[float], bool] | None = None, q: float = P90,
-            max_prompt: int | None = None, min_rows: int = MIN_ROWS,
-            quantiles: bool = True) -> tuple[LearnedModels, dict[str, str]]:
-    """Fit every term on the rows ``train(t)`` keeps (and, for extrapolation checks, only prompts
-    up to ``max_prompt``); returns the models and, per term left out, why. ``quantiles`` False
-    skips the quantile regressions (a point-only fit)."""
-    keep = train or (lambda t: True)
+def _fit_terms(ds: Dataset, keep: Callable[[float], bool], q: float, max_prompt: int | None, min_rows: int,
+               quantiles: bool) -> tuple[LearnedModels, dict[str, str]]:
     ph = Physics(ds.deployments)
     terms: dict[str, TermModels] = {}
     missing: dict[str, str] = {}
@@ -226,7 +272,7 @@ def fit_all(ds: Dataset, train: Callable[[float], bool] | None = None, q: float 
     def small(p: int) -> bool:
         return max_prompt is None or p <= max_prompt
 
-    pre = [r for r in ds.prefill if keep(r.t) and small(r.prompt_tokens)]
+    pre = [r for r in ds.prefill if keep(r.t) and small(r.prompt_tokens) and not r.loads]
     clean = [r for r in pre if r.clean]
     if len(clean) >= min_rows:  # lone prefills are exact observations; shared steps blur the rest
         pre = clean
@@ -251,7 +297,132 @@ def fit_all(ds: Dataset, train: Callable[[float], bool] | None = None, q: float 
             terms["transfer"] = m
     if "transfer" not in terms:
         missing["transfer"] = f"{len(ho)} prefill->decode hand-over rows (need {min_rows})"
+    # prefix loads: the leg of a lone prefill that loaded first, its learned prefill as the offset
+    for term, tier, amount in LOADS:
+        rows = load_rows([r for r in ds.prefill if keep(r.t) and small(r.prompt_tokens)], term)
+        m = None
+        if len(rows) >= min_rows and "prefill" in terms:
+            offset = np.array([predict(terms["prefill"], r.deployment, ph.prefill_x(r.deployment, r.items))[0]
+                               for r in rows])
+            m = fit_term(load_matrix(ph, rows, term, tier, amount), q, min_rows, offset=offset, quantiles=quantiles,
+                         median=True)
+        if m is None:
+            missing[term] = f"{len(rows)} lone prefills loading a prefix from the {tier} (need {min_rows})"
+        else:
+            terms[term] = m
     return LearnedModels(terms), missing
+
+
+#: Calibration rows a conformal scale needs (fewer: the fitted quantile is served unscaled).
+MIN_CALIBRATION_ROWS = 10
+
+
+def conformal_scale(actual: np.ndarray, point: np.ndarray, upper: np.ndarray, q: float,
+                    offset: np.ndarray | None = None) -> float | None:
+    """Split-conformal scale s of an upper quantile: the smallest s with ``actual <= offset +
+    max(point, s x upper)`` on a share ``q`` of the calibration rows (the ceil((n+1)q)-th score,
+    the finite-sample correction); None with too few rows. Below 1 when the fitted quantile
+    over-covers, above when it under-covers (e.g. the calibration rows are later, busier ones)."""
+    off = np.zeros_like(actual) if offset is None else offset
+    ok = upper > 0
+    a, p, u, o = actual[ok], point[ok], upper[ok], off[ok]
+    n = len(a)
+    if n < MIN_CALIBRATION_ROWS:
+        return None
+    scores = np.where(a - o <= p, -np.inf, (a - o) / u)
+    k = min(n, int(np.ceil((n + 1) * q)))
+    s = float(np.sort(scores)[k - 1])
+    return float(min(50.0, max(0.01, s))) if np.isfinite(s) else 0.01
+
+
+def _scaled(tm: TermModels, scale: float) -> TermModels:
+    return TermModels(None if tm.pooled is None else replace(tm.pooled, p90_scale=scale),
+                      {g: replace(m, p90_scale=scale) for g, m in tm.groups.items()})
+
+
+def calibrate_quantiles(folds: Sequence[tuple[LearnedModels, Callable[[Any], bool]]], ds: Dataset, q: float
+                        ) -> dict[str, Any]:
+    """Each term's conformal scale (and the TTFT's) from the calibration rows of every fold: a
+    fold is models and the rows ``cal(row)`` selects, which those models were not fitted on. The
+    scores of all folds are pooled (one fold: split conformal; K folds: cross-conformal, every
+    training row calibrates once). Returns, per term, the scale (None: too few rows) and n."""
+    key = {"prefill": "prefill", "tbt": "tbt", "transfer": "handover", "store": "store", "host": "host"}
+    pooled: dict[str, list[Scored]] = {}
+    for models, cal in folds:
+        for term, s_ in score(models, ds, cal, ttft=False).items():
+            pooled.setdefault(term, []).append(s_)
+
+    def cat(parts: list[Scored], field: str) -> np.ndarray:
+        return np.concatenate([getattr(p, field) for p in parts]) if parts else np.zeros(0)
+
+    info: dict[str, Any] = {}
+    terms = {t for m, _ in folds for t in m.terms}
+    for term in sorted(terms):
+        parts = pooled.get(key[term], [])
+        actual, offset = cat(parts, "actual"), cat(parts, "offset")
+        # score() gives the handover as step + shipment: the offset is the step, the point is the rest
+        scale = conformal_scale(actual, cat(parts, "learned") - offset, cat(parts, "learned_p90_raw"), q, offset)
+        info[term] = {"scale": scale, "n": int(len(actual))}
+    if all(t in terms for t in ("prefill", "tbt", "transfer")):
+        parts = []
+        for models, cal in folds:
+            scaled = LearnedModels({t: _scaled(tm, info[t]["scale"]) if info.get(t, {}).get("scale") else tm
+                                    for t, tm in models.terms.items()}, models.meta)
+            rows = score(scaled, ds, cal).get("ttft")
+            if rows is not None:
+                parts.append(rows)
+        actual = cat(parts, "actual")
+        s = conformal_scale(actual, np.zeros_like(actual), cat(parts, "learned_p90"), q)
+        info["ttft"] = {"scale": s, "n": int(len(actual))}
+    return info
+
+
+def calibration_folds(ds: Dataset, train: Callable[[float], bool], how: str, fraction: float = 0.2,
+                      seed: int = 0) -> list[tuple[Callable[[float], bool], Callable[[Any], bool]]]:
+    """(proper(t), cal(row)) pairs within the training rows: ``time``, the latest ``fraction`` of
+    them; ``random``, a random share; ``cv``, round(1 / fraction) folds of random positions, each
+    calibrating the models fitted on the others (cross-conformal: lower variance than one split,
+    which matters when the upper quantile sits close to the point)."""
+    ts = sorted({r.t for r in ds.prefill} | {r.t for r in ds.tbt} | {r.t for r in ds.queue})
+    ts = [t for t in ts if train(t)]
+    if not ts:
+        return []
+    if how == "time":
+        cut = ts[min(len(ts) - 1, int(len(ts) * (1 - fraction)))]
+        return [((lambda t: train(t) and t < cut), (lambda row: train(row.t) and row.t >= cut))]
+    rng = np.random.default_rng(seed + 1)
+    k = max(2, round(1 / fraction)) if how == "cv" else 1
+    fold_of = {t: int(f) for t, f in zip(ts, rng.integers(0, k, len(ts)) if how == "cv" else
+                                         np.where(rng.random(len(ts)) < fraction, 0, -1), strict=True)}
+
+    def pair(f: int) -> tuple[Callable[[float], bool], Callable[[Any], bool]]:
+        return (lambda t: train(t) and fold_of.get(t) != f), (lambda row: fold_of.get(row.t) == f)
+
+    return [pair(f) for f in range(k)]
+
+
+def fit_all(ds: Dataset, train: Callable[[float], bool] | None = None, q: float = P90,
+            max_prompt: int | None = None, min_rows: int = MIN_ROWS,
+            quantiles: bool = True, calibration: str | None = "cv", cal_fraction: float = 0.2,
+            seed: int = 0) -> tuple[LearnedModels, dict[str, str]]:
+    """Fit every term on the rows ``train(t)`` keeps (and, for extrapolation checks, only prompts
+    up to ``max_prompt``); returns the models and, per term left out, why. ``quantiles`` False
+    skips the quantile regressions (a point-only fit). ``calibration`` (``cv``, ``time`` or
+    ``random``; None: none) holds out training rows (see :func:`calibration_folds`), fits on the
+    rest, scales each upper quantile so that it covers ``q`` of the held-out rows (conformal), and
+    serves the models fitted on every training row with those scales (``meta["p90_calibration"]``)."""
+    keep = train or (lambda t: True)
+    models, missing = _fit_terms(ds, keep, q, max_prompt, min_rows, quantiles)
+    if not quantiles or calibration is None or not models.terms:
+        return models, missing
+    folds = [(_fit_terms(ds, proper, q, max_prompt, min_rows, quantiles)[0], cal)
+             for proper, cal in calibration_folds(ds, keep, calibration, cal_fraction, seed)]
+    info = calibrate_quantiles(folds, ds, q)
+    terms = {t: _scaled(tm, info[t]["scale"]) if info.get(t, {}).get("scale") is not None else tm
+             for t, tm in models.terms.items()}
+    ttft = (info.get("ttft") or {}).get("scale")
+    return LearnedModels(terms, {**models.meta, "p90_calibration": {"split": calibration, **info}},
+                         1.0 if ttft is None else ttft), missing
 
 
 # --- scoring --------------------------------------------------------------------------------
@@ -284,34 +455,40 @@ class Scored:
     learned_p90: np.ndarray
     analytic: np.ndarray
     prompt: np.ndarray
+    learned_p90_raw: np.ndarray  # the fitted quantile before its conformal scale (without the offset)
+    offset: np.ndarray  # what the term adds to its own model (the handover's first decode step)
 
 
-def score(models: LearnedModels, ds: Dataset, keep: Callable[[Any], bool]) -> dict[str, Scored]:
-    """Learned and analytic predictions of each term on the rows ``keep(row)`` selects."""
+def score(models: LearnedModels, ds: Dataset, keep: Callable[[Any], bool], ttft: bool = True) -> dict[str, Scored]:
+    """Learned and analytic predictions of each term on the rows ``keep(row)`` selects (and of the
+    TTFT, unless ``ttft`` is False: it rebuilds every request's queue, the costly part)."""
     ph = Physics(ds.deployments)
     out: dict[str, Scored] = {}
 
-    def pack(rows: list[tuple[float, float, float, float, float, int]]) -> Scored:
-        a = np.array(rows, dtype=float).reshape(-1, 6)
-        return Scored(a[:, 0], a[:, 1], a[:, 2], a[:, 3], a[:, 4], a[:, 5].astype(int))
+    def pack(rows: Sequence[tuple[float, ...]]) -> Scored:
+        a = np.array([r + (0.0,) * (8 - len(r)) for r in rows], dtype=float).reshape(-1, 8)
+        return Scored(a[:, 0], a[:, 1], a[:, 2], a[:, 3], a[:, 4], a[:, 5].astype(int), a[:, 6], a[:, 7])
 
     tm = models.terms.get("prefill")
     if tm is not None:
-        rows = []
+        rows: list[tuple[float, ...]] = []
         for r in ds.prefill:
             if keep(r) and r.clean:
-                p, p9 = predict(tm, r.deployment, ph.prefill_x(r.deployment, r.items))
-                rows.append((r.t, r.service_s, p, p9, ph.analytic_prefill(r.deployment, r.items), r.prompt_tokens))
+                x = ph.prefill_x(r.deployment, r.items)
+                p, p9 = predict(tm, r.deployment, x)
+                rows.append((r.t, r.service_s, p, p9, ph.analytic_prefill(r.deployment, r.items), r.prompt_tokens,
+                             raw_upper(tm, r.deployment, x)))
         out["prefill"] = pack(rows)
     tm = models.terms.get("tbt")
     if tm is not None:
         rows = []
         for b in ds.tbt:
             if keep(b):
-                p, p9 = predict(tm, b.deployment, ph.tbt_x(b.deployment, b.running, b.kv_tokens, b.prompt_tokens,
-                                                            b.max_tokens))
+                x = ph.tbt_x(b.deployment, b.running, b.kv_tokens, b.prompt_tokens, b.max_tokens)
+                p, p9 = predict(tm, b.deployment, x)
                 rows.append((b.t, b.tbt_s, p, p9, ph.analytic_tbt(b.deployment, b.running, b.kv_tokens,
-                                                                  b.prompt_tokens, b.max_tokens), b.prompt_tokens))
+                                                                  b.prompt_tokens, b.max_tokens), b.prompt_tokens,
+                             raw_upper(tm, b.deployment, x)))
         out["tbt"] = pack(rows)
     tm = models.terms.get("transfer")
     if tm is not None:
@@ -319,20 +496,40 @@ def score(models: LearnedModels, ds: Dataset, keep: Callable[[Any], bool]) -> di
         for h in ds.handover:
             if keep(h):
                 step = first_step(models, ph, h)
-                p, p9 = predict(tm, h.dst_deployment, ph.transfer_x(h.src_deployment, h.dst_deployment, h.tokens))
+                x = ph.transfer_x(h.src_deployment, h.dst_deployment, h.tokens)
+                p, p9 = predict(tm, h.dst_deployment, x)
                 ana = ph.analytic_transfer(h.src_deployment, h.dst_deployment, h.tokens) + ph.analytic_tbt(
                     h.dst_deployment, h.running, h.kv_tokens, h.tokens, h.max_tokens)
-                rows.append((h.t, h.handover_s, p + step, p9 + step, ana, h.tokens))
+                rows.append((h.t, h.handover_s, p + step, p9 + step, ana, h.tokens,
+                             raw_upper(tm, h.dst_deployment, x), step))
         out["handover"] = pack(rows)
-    if {"prefill", "tbt", "transfer"} <= set(models.terms):
+    pm = models.terms.get("prefill")
+    for term, tier, amount in LOADS:
+        tm = models.terms.get(term)
+        if tm is None or pm is None:
+            continue
+        rows, alone = [], []
+        for r in load_rows([r for r in ds.prefill if keep(r)], term):
+            pre = predict(pm, r.deployment, ph.prefill_x(r.deployment, r.items))[0]
+            x = ph.load_x(r.deployment, tier, *amount(r))
+            p, p9 = predict(tm, r.deployment, x)
+            ana = ph.analytic_load(r.deployment, tier, *amount(r))
+            rows.append((r.t, r.service_s, pre + p, pre + p9, ph.analytic_prefill(r.deployment, r.items) + ana,
+                         r.prompt_tokens, raw_upper(tm, r.deployment, x), pre))
+            if r.service_s > pre:  # the load alone: the leg minus the learned prefill (its error included)
+                alone.append((r.t, r.service_s - pre, p, p9, ana, r.prompt_tokens, raw_upper(tm, r.deployment, x)))
+        out[term] = pack(rows)  # the leg: load + prefill, learned and analytic
+        out[f"{term}_load"] = pack(alone)
+    if ttft and {"prefill", "tbt", "transfer"} <= set(models.terms):
         out["ttft"] = pack(_ttft_rows(models, ph, ds, keep))
     return out
 
 
 def _ttft_rows(models: LearnedModels, ph: Physics, ds: Dataset,
-               keep: Callable[[Any], bool]) -> list[tuple[float, float, float, float, float, int]]:
+               keep: Callable[[Any], bool]) -> list[tuple[float, ...]]:
     """TTFT = Mooncake queue + prefill + hand-over, each from the learned terms (queue rebuilt from
-    the requests ahead as the ledger held them) or from the analytic prior."""
+    the requests ahead as the ledger held them) or from the analytic prior; its upper quantile is
+    the queue plus the terms' upper quantiles, times the models' conformal ``ttft_p90_scale``."""
     pm, tm, xm = models.terms["prefill"], models.terms["tbt"], models.terms["transfer"]
     memo_l: dict[str, float] = {}
     memo_a: dict[str, float] = {}
@@ -351,7 +548,7 @@ def _ttft_rows(models: LearnedModels, ph: Physics, ds: Dataset,
             v = memo_a[r.request_id] = ph.analytic_prefill(dep, [(r.prompt_tokens, r.hit_tokens)])
         return v
 
-    rows = []
+    rows: list[tuple[float, ...]] = []
     for q in ds.queue:
         if not keep(q):
             continue
@@ -364,7 +561,7 @@ def _ttft_rows(models: LearnedModels, ph: Physics, ds: Dataset,
         pre_l, pre_l9 = predict(pm, src, ph.prefill_x(src, [(r.prompt_tokens, r.hit_tokens)]))
         queue_l = reconstructed_queue(q, learned_prefill)
         learned = queue_l + pre_l + kv_l + step_l
-        learned9 = queue_l + pre_l9 + kv_l9 + step_l
+        learned9 = (queue_l + pre_l9 + kv_l9 + step_l) * models.ttft_p90_scale
         analytic = (reconstructed_queue(q, analytic_prefill) + analytic_prefill(r)
                     + ph.analytic_transfer(src, dst, r.prompt_tokens)
                     + ph.analytic_tbt(dst, r.decode_running, r.decode_kv_tokens, r.prompt_tokens, mt))

@@ -47,7 +47,10 @@ CHUNK_TOKENS = 8192
 PREFILL_FEATURES = ("step_s", "linear_s", "attn_s", "attn_ctx_s")
 TBT_FEATURES = ("step_s", "kv_read_s", "batch_s")
 TRANSFER_FEATURES = ("latency_s", "bytes_s")
-FEATURES: dict[str, tuple[str, ...]] = {"prefill": PREFILL_FEATURES, "tbt": TBT_FEATURES, "transfer": TRANSFER_FEATURES}
+#: ``store`` and ``host``: loading a prefix from the shared store / the host tier before the prefill
+#: (a fixed cost per load, and the bytes over the store's public bandwidth / the host link's).
+FEATURES: dict[str, tuple[str, ...]] = {"prefill": PREFILL_FEATURES, "tbt": TBT_FEATURES, "transfer": TRANSFER_FEATURES,
+                                        "store": TRANSFER_FEATURES, "host": TRANSFER_FEATURES}
 TERMS = tuple(FEATURES)
 
 #: A roofline at 100% efficiency and no fixed costs: the features' units.
@@ -88,6 +91,14 @@ def transfer_features(r_dst: Roofline, time_scale: float, tokens: int, bandwidth
     return [time_scale, tokens * r_dst.kv_bytes_per_token / bandwidth]
 
 
+def load_features(r: Roofline, time_scale: float, tier: str, tokens: int, loads: int = 1) -> list[float]:
+    """Loading ``tokens`` of prefix KV (in ``loads`` operations) onto the prefill instance from the
+    shared store (at the prior's public store bandwidth, never above the NIC) or its host tier
+    (at the deployment's host link): the roofline's own transfer, as a load term's features."""
+    bw = r.store_bytes_per_s or r.net_bytes_per_s if tier == Tier.STORE else r.host_bytes_per_s
+    return [loads * time_scale, tokens * r.kv_bytes_per_token / bw]
+
+
 def group_of(deployment: str) -> str:
     """The model group of a deployment: its name without any time scale (features carry that)."""
     return deployment.split(TIME_SCALE_SEP, 1)[0]
@@ -104,27 +115,33 @@ class ModelError(ValueError):
 @dataclass(frozen=True)
 class TermModel:
     """One fitted term: weights over the term's features, and its upper quantile (p90 by default):
-    a linear quantile model over the same features (``p90_coef``), else a factor over the point."""
+    a linear quantile model over the same features (``p90_coef``), else a factor over the point,
+    times ``p90_scale``, the split-conformal adjustment that made the quantile cover its level on
+    a calibration split the model was not fitted on (predictors/fit.py ``conformal_scale``)."""
 
     coef: tuple[float, ...]
     p90_factor: float = 1.0
     n: int = 0
     train_mape: float | None = None
     p90_coef: tuple[float, ...] | None = None
+    p90_scale: float = 1.0
 
     def predict(self, x: Sequence[float]) -> float:
         return dot(self.coef, x)
 
     def upper(self, x: Sequence[float]) -> float:
         """The upper quantile, never below the point prediction."""
-        point = dot(self.coef, x)
+        return max(dot(self.coef, x), self.p90_scale * self.raw_upper(x))
+
+    def raw_upper(self, x: Sequence[float]) -> float:
+        """The fitted quantile before the conformal scale."""
         if self.p90_coef is None:
-            return point * self.p90_factor
-        return max(point, dot(self.p90_coef, x))
+            return dot(self.coef, x) * self.p90_factor
+        return dot(self.p90_coef, x)
 
     def to_json(self) -> dict[str, Any]:
         return {"coef": list(self.coef), "p90_factor": self.p90_factor, "n": self.n, "train_mape": self.train_mape,
-                "p90_coef": None if self.p90_coef is None else list(self.p90_coef)}
+                "p90_coef": None if self.p90_coef is None else list(self.p90_coef), "p90_scale": self.p90_scale}
 
 
 @dataclass(frozen=True)
@@ -143,11 +160,16 @@ class TermModels:
 
 @dataclass(frozen=True)
 class LearnedModels:
+    """Every term's models; ``ttft_p90_scale`` scales the sum of the terms' upper quantiles (and the
+    queue's point) to the TTFT's own upper quantile, split-conformal like each term's ``p90_scale``."""
+
     terms: dict[str, TermModels]
     meta: dict[str, Any] = field(default_factory=dict)
+    ttft_p90_scale: float = 1.0
 
     def to_json(self) -> dict[str, Any]:
         return {"format": FORMAT, "version": VERSION, "meta": self.meta,
+                "calibration": {"ttft_p90_scale": self.ttft_p90_scale},
                 "terms": {t: {"features": list(FEATURES[t]),
                               "pooled": None if m.pooled is None else m.pooled.to_json(),
                               "groups": {g: gm.to_json() for g, gm in m.groups.items()}}
@@ -175,9 +197,8 @@ def _term_model(raw: Any, n_features: int, where: str) -> TermModel:
             raise ModelError(f"{where}: coefficients must be finite and >= 0, got {c!r}")
     if not any(coef):
         raise ModelError(f"{where}: all coefficients are zero")
-    p90 = raw.get("p90_factor", 1.0)
-    if isinstance(p90, bool) or not isinstance(p90, (int, float)) or not math.isfinite(p90) or not 0 < p90 < 100:
-        raise ModelError(f"{where}: p90_factor must be a positive finite number, got {p90!r}")
+    p90 = _positive(raw.get("p90_factor", 1.0), f"{where}: p90_factor")
+    scale = _positive(raw.get("p90_scale", 1.0), f"{where}: p90_scale")
     n = raw.get("n", 0)
     mape = raw.get("train_mape")
     q = raw.get("p90_coef")
@@ -185,9 +206,16 @@ def _term_model(raw: Any, n_features: int, where: str) -> TermModel:
         if not isinstance(q, list) or len(q) != n_features or any(
                 isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) for c in q):
             raise ModelError(f"{where}: p90_coef must be a list of {n_features} finite numbers")
-    return TermModel(tuple(float(c) for c in coef), float(p90), int(n) if isinstance(n, int) else 0,
+    return TermModel(tuple(float(c) for c in coef), p90, int(n) if isinstance(n, int) else 0,
                      float(mape) if isinstance(mape, (int, float)) and not isinstance(mape, bool) else None,
-                     None if q is None else tuple(float(c) for c in q))
+                     None if q is None else tuple(float(c) for c in q), scale)
+
+
+def _positive(v: Any, where: str) -> float:
+    """A quantile factor or scale: positive, finite, below 100 (files from before it say nothing: 1)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 < v < 100:
+        raise ModelError(f"{where} must be a positive finite number, got {v!r}")
+    return float(v)
 
 
 def parse_models(raw: Any) -> LearnedModels:
@@ -219,7 +247,11 @@ def parse_models(raw: Any) -> LearnedModels:
             raise ModelError(f"terms.{t}: no model")
         terms[t] = TermModels(pooled, groups)
     meta = raw.get("meta")
-    return LearnedModels(terms, meta if isinstance(meta, dict) else {})
+    cal = raw.get("calibration") or {}
+    if not isinstance(cal, dict):
+        raise ModelError("calibration: expected an object")
+    return LearnedModels(terms, meta if isinstance(meta, dict) else {},
+                         _positive(cal.get("ttft_p90_scale", 1.0), "calibration.ttft_p90_scale"))
 
 
 def load_models(directory: str) -> LearnedModels:
@@ -284,6 +316,8 @@ class _Compiled:
     prefill: tuple[float, float, float, float] | None  # per step, per new token, per context, per context^2
     tbt: tuple[float, float, float] | None  # per step, per KV token, per sequence
     transfer: tuple[float, float] | None  # latency, bytes per token (over the bandwidth)
+    store: tuple[float, float] | None  # latency, seconds per token loaded from the store
+    host: tuple[float, float] | None  # latency, seconds per token loaded from the host tier
 
 
 def _compile(models: LearnedModels, key: int, r: Roofline, ts: float, group: str, served: Roofline) -> _Compiled:
@@ -294,13 +328,21 @@ def _compile(models: LearnedModels, key: int, r: Roofline, ts: float, group: str
     attn = 4.0 * r.layers * r.hidden / r.attn_flops_per_s
     weights = r.weight_bytes / r.mem_bytes_per_s
     p, t, x = model("prefill"), model("tbt"), model("transfer")
+
+    def load(term: str, tier: str) -> tuple[float, float] | None:
+        m = model(term)
+        if m is None:
+            return None
+        lat, per_token = load_features(r, ts, tier, 1)
+        return m.coef[0] * lat, m.coef[1] * per_token
     return _Compiled(
         key, group, f"group:{group}", served.net_bytes_per_s,
         None if p is None else (p.coef[0] * weights, p.coef[1] * 2.0 * r.params / r.flops_per_s, p.coef[2] * attn,
                                 p.coef[3] * attn / CTX_SCALE),
         None if t is None else (t.coef[0] * weights, t.coef[1] * r.kv_bytes_per_token / r.mem_bytes_per_s,
                                 t.coef[2] * 2.0 * r.params / r.flops_per_s),
-        None if x is None else (x.coef[0] * ts, x.coef[1] * r.kv_bytes_per_token))
+        None if x is None else (x.coef[0] * ts, x.coef[1] * r.kv_bytes_per_token),
+        load("store", Tier.STORE), load("host", Tier.HOST))
 
 
 #: Resolution of the served prefill correction (0.5%): see :class:`_PrefillGroup`.
@@ -309,34 +351,28 @@ FACTOR_STEPS = 200
 
 class _PrefillGroup:
     """A predictor group for a decision's memo (scheduler/cost.py's ``TermBook``): instances of one
-    deployment whose prefill corrections are in the same step answer alike. Hashed when a decision
-    builds its memo keys, so it follows the corrections as they move between decisions."""
+    deployment whose prefill corrections are in the same step answer alike. One per instance,
+    held by the scheduler; the bundle sets its key whenever that instance's answers may change
+    (a correction, a reload, a registration), so a decision's hashing is an attribute read."""
 
-    __slots__ = ("bundle", "instance", "_gen", "_k", "_h")
+    __slots__ = ("instance", "_k", "_h")
 
-    def __init__(self, bundle: LearnedBundle, instance: str):
-        self.bundle, self.instance = bundle, instance
-        self._gen = -1
-        self._k: tuple[int, int] = (0, 0)
-        self._h = 0
+    def __init__(self, instance: str, key: tuple[int, int]):
+        self.instance = instance
+        self.set(key)
 
-    def _key(self) -> tuple[int, int]:
-        b = self.bundle
-        if self._gen != b.generation:  # recomputed only after a correction, reload or registration
-            self._k = (b._compiled(self.instance).key, b.prefill_step(self.instance))
-            self._h = hash(self._k)
-            self._gen = b.generation
-        return self._k
+    def set(self, key: tuple[int, int]) -> None:
+        self._k = key
+        self._h = hash(key)
 
     def __hash__(self) -> int:
-        self._key()
         return self._h
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, _PrefillGroup) and self._key() == other._key()
+        return type(other) is _PrefillGroup and self._k == other._k
 
     def __repr__(self) -> str:
-        return f"_PrefillGroup({self.instance!r}, {self._key()})"
+        return f"_PrefillGroup({self.instance!r}, {self._k})"
 
 
 class LearnedBundle:
@@ -364,7 +400,7 @@ class LearnedBundle:
         self._memo: dict[tuple[Hashable, ...], float] = {}
         self._warned: set[tuple[str, str]] = set()
         self.reloads = 0
-        self.generation = 0  # bumped whenever a group's answers may change (_PrefillGroup's cache)
+        self._groups: dict[str, _PrefillGroup] = {}  # handed to the scheduler, kept current here
 
     # --- models --------------------------------------------------------------------------
     def swap(self, models: LearnedModels, source: str) -> None:
@@ -375,7 +411,7 @@ class LearnedBundle:
         self._warned.clear()
         self.ewma = {t: Ewma(self.ewma[t].alpha) for t in TERMS}
         self.reloads += 1
-        self.generation += 1
+        self._regroup()
 
     def _physics(self, instance: str) -> tuple[int, Roofline, float, str]:
         key, _ = self.book.keyed(instance)
@@ -409,12 +445,29 @@ class LearnedBundle:
         """The scheduler's hook: the instance's public deployment (its compiled terms follow)."""
         self.book.set(instance, deployment, kv_capacity_tokens)
         self._inst.pop(instance, None)
-        self.generation += 1
+        self._regroup(instance)
 
     def unregister(self, instance: str) -> None:
         self.book.remove(instance)
         self._inst.pop(instance, None)
-        self.generation += 1
+        self._groups.pop(instance, None)
+
+    def group(self, instance: str) -> _PrefillGroup:
+        """The instance's predictor group (one object per instance, its key kept current)."""
+        g = self._groups.get(instance)
+        if g is None:
+            g = self._groups[instance] = _PrefillGroup(instance, self._group_key(instance))
+        return g
+
+    def _group_key(self, instance: str) -> tuple[int, int]:
+        return self._compiled(instance).key, self.prefill_step(instance)
+
+    def _regroup(self, instance: str | None = None) -> None:
+        """Refresh the group of ``instance`` (None: every instance) after its answers may have changed."""
+        for i in (self._groups if instance is None else (instance,)):
+            g = self._groups.get(i)
+            if g is not None:
+                g.set(self._group_key(i))
 
     def _compiled(self, instance: str) -> _Compiled:
         c = self._inst.get(instance)
@@ -457,10 +510,13 @@ class LearnedBundle:
         return k[0] + k[1] * kv + k[2] * ((state.running if state.running > 0 else 0) + 1)
 
     def transfer_base(self, tokens: int, source: str, destination: str) -> float | None:
-        if source in (Tier.HOST, Tier.STORE):  # never observed apart from the queue: the prior answers
-            self._warn("transfer", f"no observations of transfers from {source}")
-            return None
         c = self._compiled(destination)
+        if source == Tier.STORE or source == Tier.HOST:  # a load before the prefill (its own term)
+            k = c.store if source == Tier.STORE else c.host
+            if k is None:
+                self._warn(str(source), f"no model of loads from the {source} for {c.group}")
+                return None
+            return k[0] + tokens * k[1]
         k = c.transfer
         if k is None:
             self._warn("transfer", f"no model for {c.group}")
@@ -494,7 +550,8 @@ class LearnedBundle:
             return self._fallback_transfer.transfer_time(tokens, source, destination)
         if not self.online:
             return t
-        return t * self.ewma["transfer"].factor.get(self._compiled(destination).group_key, 1.0)
+        term = str(source) if source == Tier.STORE or source == Tier.HOST else "transfer"
+        return t * self.ewma[term].factor.get(self._compiled(destination).group_key, 1.0)
 
     # --- online correction: each term from observations of that term ----------------------
     def correction_key(self, term: str, instance: str) -> str:
@@ -513,11 +570,24 @@ class LearnedBundle:
             self.ttft_err.update("all", rec.ttft_s, rec.predicted_ttft_s, rec.predicted_ttft_s)
         # prefill: the leg of a request that found its prefill instance idle is its prefill
         if (p is not None and p != d and rec.queue_requests == 0 and rec.prefill_start_s is not None
-                and rec.prefill_end_s is not None and not rec.transfer_tokens):
+                and rec.prefill_end_s is not None and not rec.transfer_tokens and not rec.host_load_tokens):
             base = self.prefill_base(p, rec.prompt_tokens, rec.hit_tokens)
             if base is not None:
                 self.ewma["prefill"].update(p, rec.prefill_end_s - rec.prefill_start_s, base, rec.predicted_prefill_s)
-                self.generation += 1
+                self._regroup(p)
+        # a load from the store or the host tier (one kind only) by a request that found its
+        # instance idle: its leg minus its (corrected) prefill
+        store = rec.transfer_tokens if rec.transfer_from == Tier.STORE else 0
+        load = (Tier.STORE, store) if store and not rec.host_load_tokens else (
+            (Tier.HOST, rec.host_load_tokens) if rec.host_load_tokens and not rec.transfer_tokens else None)
+        if (load is not None and p is not None and p != d and rec.queue_requests == 0
+                and rec.prefill_start_s is not None and rec.prefill_end_s is not None):
+            base = self.transfer_base(load[1], load[0], p)
+            if base is not None:
+                loaded = rec.prefill_end_s - rec.prefill_start_s - self.prefill_time(p, rec.prompt_tokens,
+                                                                                    rec.hit_tokens)
+                self.ewma[str(load[0])].update(self.correction_key("store", p), loaded, base,
+                                               None if rec.predicted_transfer_s is None else rec.predicted_transfer_s)
         # TBT: the request's own token gaps against the state it was placed in
         if d is not None and len(rec.token_times) > MIN_TBT_INTERVALS:
             state = DecodeState(d, rec.decode_running, rec.decode_kv_tokens)
@@ -549,7 +619,6 @@ class LearnedBundle:
                           "observations": e.count.get(k, 0),
                           "live_abs_error": None if k not in e.abs_err else round(e.abs_err[k], 4)}
             terms[t] = {"features": list(FEATURES[t]), "instances": per}
-        terms["transfer"]["host_and_store"] = "analytic (never observed apart from the queue)"
         err = self.ttft_err.abs_err.get("all")
         return {"predictors": "learned", "source": self.source, "reloads": self.reloads, "online": self.online,
                 "meta": self.models.meta, "terms": terms,
@@ -627,7 +696,7 @@ def learned_predictors(model_dir: str | None = None, *, models: LearnedModels | 
     book = DeploymentBook(prior=Prior() if prior is None else prior)
     b = LearnedBundle(models, book, online=online, alpha=alpha, source=source)
     # online: instances alike in deployment and prefill correction share a group (computed once per decision)
-    group: Callable[[str], Hashable] = (lambda i: _PrefillGroup(b, i)) if online else (lambda i: book.keyed(i)[0])
+    group: Callable[[str], Hashable] = b.group if online else (lambda i: book.keyed(i)[0])
     p = LearnedPredictors(queue=AnalyticQueue(), prefill=b, transfer=b, tbt=b, group=group, register=b.register,
                           unregister=b.unregister, bundle=b, watch=model_dir)
     p._seen = None if model_dir is None else _mtime(model_dir)

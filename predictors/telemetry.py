@@ -48,6 +48,8 @@ class RequestRecord:
     hit_tokens: int = 0  # prefix tokens the chosen prefill instance will not recompute
     local_hit_tokens: int = 0  # of those, held by the prefill instance itself
     transfer_tokens: int = 0  # of those, pulled from another holder or the store
+    transfer_from: str | None = None  # where from: "store" or the holder's instance id (None: nothing pulled)
+    host_load_tokens: int = 0  # of local_hit_tokens, loaded from the prefill instance's host tier first
     queue_tokens: int = 0  # prefill tokens queued ahead on the chosen prefill instance
     queue_requests: int = 0
     decode_running: int = 0  # sequences on the chosen decode instance before this one

@@ -37,6 +37,7 @@ class Terms:
     transfer_from: str | None = None
     transfer_s: float = 0.0  # host-tier load + pull from a holder or the store
     prefill_s: float = 0.0
+    host_tokens: int = 0  # of the local hit, loaded from the instance's host tier first
 
     @property
     def cache_s(self) -> float:
@@ -100,7 +101,8 @@ class TermBook:
                 transfer_s += self.pred.transfer.transfer_time(moved, Tier.STORE, c.id)
                 hit, source = self.store_blocks * self.bs, Tier.STORE
             t = self._memo[key] = Terms(hit, local, moved, source, transfer_s,
-                                        self.pred.prefill.prefill_time(c.id, self.prompt, hit))
+                                        self.pred.prefill.prefill_time(c.id, self.prompt, hit),
+                                        (c.local_blocks - c.device_blocks) * self.bs)
         return t
 
     def pull(self, c: PrefillCandidate, holder: str, holder_blocks: int) -> Terms:
@@ -113,7 +115,8 @@ class TermBook:
             hit = holder_blocks * self.bs
             transfer_s = self._host_load_s(c) + self.pred.transfer.transfer_time(pulled, holder, c.id)
             t = self._memo[key] = Terms(hit, local, pulled, holder, transfer_s,
-                                        self.pred.prefill.prefill_time(c.id, self.prompt, hit))
+                                        self.pred.prefill.prefill_time(c.id, self.prompt, hit),
+                                        (c.local_blocks - c.device_blocks) * self.bs)
         return t
 
 

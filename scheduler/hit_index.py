@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import sys
 from bisect import bisect_right
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import accumulate, repeat
 from operator import and_, neg, or_
@@ -45,6 +46,7 @@ from typing import Any
 
 from predictors.types import TIERS, Tier
 from scheduler.hashing import block_hashes as index_block_hashes, event_chain_keys, keyed_block_hashes
+from scheduler.prefix_runs import HeldPrefixes
 
 # tier slots in the index: positions in TIERS (device, host, store)
 _DEV, _HOST, _STORE = (TIERS.index(t) for t in (Tier.DEVICE, Tier.HOST, Tier.STORE))
@@ -52,6 +54,10 @@ TIER_NAMES = TIERS
 
 #: KV-event ``medium`` -> tier (vLLM: GPU, CPU; SGLang: GPU, CPU_PINNED, DISK, EXTERNAL).
 MEDIUM_TIERS = {"GPU": _DEV, "CPU": _HOST, "CPU_PINNED": _HOST, "DISK": _STORE, "EXTERNAL": _STORE}
+#: Exact lower-case media of the Mooncake store: vLLM's MooncakeStoreConnector announces blocks it
+#: wrote there as ``cpu`` (the master's own events say ``cpu``/``disk``), unlike the upper-case
+#: ``CPU`` of vLLM's host-memory offloading; so case decides before the case-blind table.
+STORE_MEDIA = {"cpu": _STORE, "disk": _STORE}
 
 #: Default bound on blocks per instance (all tiers) when the caller gives none.
 DEFAULT_MAX_BLOCKS = 1 << 20
@@ -67,7 +73,8 @@ def tier_of(medium: str | None) -> int | None:
         return _DEV
     if not isinstance(medium, str):
         return None
-    return MEDIUM_TIERS.get(medium.upper())
+    t = STORE_MEDIA.get(medium)
+    return t if t is not None else MEDIUM_TIERS.get(medium.upper())
 
 
 @dataclass(slots=True)
@@ -107,6 +114,9 @@ class HitIndex:
         self._cap: dict[str, int] = {}
         self._groups: dict[str, dict[tuple[int, int], int]] = {}  # instance -> (tier, engine hash) -> group mask
         self._multi = 0  # entries held by two or more instances (their masks are distinct int objects)
+        # the store tier's blocks whose whole chain before them is in the store tier too: a
+        # prompt's store prefix is then found by bisection, not one probe per block
+        self._store_runs = HeldPrefixes()
         self.overflows = 0  # BlockStored events refused by the per-instance bound
 
     # --- registration -------------------------------------------------------------------
@@ -213,6 +223,9 @@ class HitIndex:
             return False
         bit = self._bits[slot]
         table = self._tiers[tier]
+        if tier == _STORE:
+            self._link_store_run(parent_block_hash if self.trust_event_hashes or parent_block_hash is None
+                                 else parent, ours)
         if self.trust_event_hashes:  # engine hash == index hash: no mapping to keep
             fresh = dict.fromkeys(ours, bit)
             if table.keys().isdisjoint(fresh):  # nobody holds any of them yet: one bulk insert
@@ -249,6 +262,13 @@ class HitIndex:
                     table[h] = bit
                 counts[tier] += 1
         return True
+
+    def _link_store_run(self, parent: int | None, ours: list[int]) -> None:
+        runs = self._store_runs
+        for h in ours:
+            if not runs.add_child(parent, h):
+                return  # its parent is not linked (yet): the walk in match() covers it
+            parent = h
 
     def block_removed(self, instance_id: str, block_hashes: list[int], medium: str | None = "GPU", *,
                       group_idx: int | None = None) -> bool:
@@ -299,6 +319,8 @@ class HitIndex:
                     rest = mask & ~bit
                     if not rest:
                         del table[h]
+                        if tier == _STORE:
+                            self._store_runs.remove(h)
                     elif rest & (rest - 1):
                         table[h] = rest  # still two or more holders
                     else:
@@ -391,6 +413,8 @@ class HitIndex:
         """Store what is left of a mask after one holder left (single holders share interned ints)."""
         if not rest:
             del table[h]
+            if table is self._tiers[_STORE]:
+                self._store_runs.remove(h)
         elif rest & (rest - 1):
             table[h] = rest  # still two or more holders
         else:
@@ -398,8 +422,12 @@ class HitIndex:
             self._multi -= 1
 
     # --- lookups ------------------------------------------------------------------------
-    def match(self, hashes: list[int], limit: int | None = None) -> Match:
+    def match(self, hashes: list[int], limit: int | None = None, store: bool = True) -> Match:
         """Longest contiguous prefix (in blocks) per instance and in the store, first miss stops.
+
+        ``store=False``: leave the store tier alone (``Match.store`` 0): the caller knows the
+        store's answer from the store itself (the gateway's live store tier), which the engines'
+        store-medium events only echo.
 
         ``limit`` caps the blocks looked at (an engine never reuses the block holding the
         prompt's last token, so the scheduler passes ``(prompt_tokens - 1) // block_size``).
@@ -409,16 +437,15 @@ class HitIndex:
         only consulted for chunks where some live holder is (or may become) host-only.
         """
         n = len(hashes) if limit is None else max(0, min(limit, len(hashes)))
-        dev, host, store = self._tiers
+        dev, host, stored = self._tiers
         out = Match()
         if n and (dev or host):
             ids = self._ids
             alive_l = alive_d = self._all
             dget, hget = dev.get, host.get
-            start, step = 0, _FIRST_CHUNK
-            while start < n and alive_l:
-                end = min(n, start + step)
-                step *= 2
+            for start, end in _chunks(n):
+                if not alive_l:
+                    break
                 chunk = hashes[start:end]
                 d = list(map(dget, chunk, repeat(0, end - start)))
                 acc = list(accumulate(d, and_, initial=alive_d))
@@ -430,7 +457,6 @@ class HitIndex:
                     loc = list(map(or_, d, map(hget, chunk, repeat(0, end - start))))
                     alive_l = _scan(list(accumulate(loc, and_, initial=alive_l)), start, out.local, ids)
                     alive_d = _scan(acc, start, out.device, ids)
-                start = end
             if alive_d:
                 _record(out.device, alive_d, n, ids)
             if host:
@@ -438,9 +464,10 @@ class HitIndex:
                     _record(out.local, alive_l, n, ids)
             else:
                 out.local = dict(out.device)
-        if n and store:
-            contains = store.__contains__
-            start, step = 0, _FIRST_CHUNK
+        if n and store and stored:
+            contains = stored.__contains__
+            start = self._store_runs.known(hashes, n)  # linked runs by bisection, then the walk
+            step = 2 if start else _FIRST_CHUNK
             while start < n:
                 end = min(n, start + step)
                 step *= 2
@@ -450,6 +477,26 @@ class HitIndex:
                     break
                 start = end
             out.store = min(start, n)
+        return out
+
+    def match_held(self, hashes: list[int], limit: int | None = None) -> dict[str, int]:
+        """Per instance, the longest prefix (blocks) it holds in any tier: its device, its host
+        memory, or blocks its own KV events announced as written to the shared store. The
+        indexer API's per-instance ``CPU`` answer (a Mooncake store is pooled host DRAM); the
+        scheduler uses :meth:`match`, where the store is everyone's."""
+        n = len(hashes) if limit is None else max(0, min(limit, len(hashes)))
+        out: dict[str, int] = {}
+        dget, hget, sget = (t.get for t in self._tiers)
+        alive, ids = self._all, self._ids
+        for start, end in _chunks(n):
+            if not alive:
+                break
+            chunk = hashes[start:end]
+            local = map(or_, map(dget, chunk, repeat(0)), map(hget, chunk, repeat(0)))
+            held = map(or_, local, map(sget, chunk, repeat(0)))
+            alive = _scan(list(accumulate(held, and_, initial=alive)), start, out, ids)
+        if alive:
+            _record(out, alive, n, ids)
         return out
 
     # --- reporting ----------------------------------------------------------------------
@@ -475,6 +522,16 @@ class HitIndex:
         for groups in self._groups.values():  # hybrid-model instances: a (tier, hash) tuple and a mask each
             total += sys.getsizeof(groups) + len(groups) * (sys.getsizeof((0, 0)) + _INT_BYTES)
         return total
+
+
+def _chunks(n: int) -> Iterator[tuple[int, int]]:
+    """``(start, end)`` of the growing chunks a walk over ``n`` blocks takes: a miss near the
+    front costs a short chunk, a long hit few round trips into C."""
+    start, step = 0, _FIRST_CHUNK
+    while start < n:
+        end = min(n, start + step)
+        yield start, end
+        start, step = end, step * 2
 
 
 def _scan(acc: list[int], offset: int, out: dict[str, int], ids: list[str | None]) -> int:

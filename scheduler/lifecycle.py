@@ -115,6 +115,7 @@ class RequestLifecycle:
         rec.policy = d.policy or self.scheduler.policy_name
         rec.prefill_instance, rec.decode_instance = d.prefill, d.decode
         rec.hit_tokens, rec.local_hit_tokens, rec.transfer_tokens = d.hit_tokens, d.local_hit_tokens, d.transfer_tokens
+        rec.transfer_from, rec.host_load_tokens = d.transfer_from, d.host_tokens
         rec.queue_tokens, rec.queue_requests = d.queue_tokens, d.queue_requests
         rec.decode_running, rec.decode_kv_tokens = d.decode_running, d.decode_kv_tokens
         rec.predicted_queue_s, rec.predicted_prefill_s = d.queue_s, d.prefill_s

@@ -432,13 +432,14 @@ class Scheduler:
         facts = ctx.facts
         # never the last prompt token's block (the engine recomputes that token for its logits)
         usable = min(len(facts.block_hashes), (facts.prompt_tokens - 1) // self.block_size)
-        try:
-            ctx.match = self.index.match(facts.block_hashes, usable)
+        raw = getattr(facts, "store_blocks", None)
+        told = raw if isinstance(raw, int) and not isinstance(raw, bool) else None
+        try:  # a store answer from the store itself makes the index's store walk redundant
+            ctx.match = self.index.match(facts.block_hashes, usable, store=told is None)
         except TypeError:
             raise _Refused(BAD_REQUEST, "bad_block_hashes", "block hashes must be integers") from None
         ctx.store_blocks = ctx.match.store
-        told = getattr(facts, "store_blocks", None)
-        if isinstance(told, int) and not isinstance(told, bool) and told > ctx.store_blocks:
+        if told is not None and told > ctx.store_blocks:
             ctx.store_blocks = min(told, usable)
         ctx.usable_blocks = usable
         if self._inflight:
@@ -538,7 +539,7 @@ class Scheduler:
             queue_requests=p.state.queued_requests, decode_running=now_state.running,
             decode_kv_tokens=now_state.kv_tokens, explanation=ch.record, kv_transfer_s=ch.kv_s,
             decode_first_step_s=ch.first_step_s, decode_wait_s=ch.decode_wait_s,
-            policy=self.policy_name)
+            policy=self.policy_name, host_tokens=terms.host_tokens)
         if commit:
             decode_start = now + ch.ttft
             need = facts.prompt_tokens + facts.max_tokens

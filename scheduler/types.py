@@ -108,6 +108,7 @@ class Placement:
     decode_first_step_s: float = 0.0  # the decode instance's step making the first token (0 on "both")
     decode_wait_s: float = 0.0  # after the prefill, waiting for room for the KV on the decode instance
     policy: str = ""
+    host_tokens: int = 0  # of local_hit_tokens, loaded from the prefill instance's host tier first
 
 
 @dataclass(slots=True)

@@ -34,7 +34,7 @@ from predictors.telemetry import RequestRecord, write_jsonl
 @pytest.fixture(scope="module")
 def exact(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("exact"))
-    metrics = calibrate(synth_records(400, seed=1), d, draw=False)
+    metrics = calibrate(synth_records(400, seed=1, store_share=0.3), d, draw=False)
     return d, metrics
 
 
@@ -262,7 +262,10 @@ def test_calibrate_command_writes_models_metrics_report_and_plots(tmp_path):
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["holdout"] == "time" and metrics["holdout_metrics"]["tbt"]["learned"]["n"] > 0
     assert "| prefill |" in (out / "report.md").read_text()
-    assert parse_models(json.loads((out / "models.json").read_text())).terms.keys() == set(FEATURES)
+    # no request loaded a prefix from the store or the host tier: those terms stay with the prior, said once each
+    assert parse_models(json.loads((out / "models.json").read_text())).terms.keys() == set(FEATURES) - {"store",
+                                                                                                       "host"}
+    assert "warning: store not fitted" in r.stderr and "warning: host not fitted" in r.stderr
 
 
 @pytest.mark.parametrize("args, message", [
@@ -378,3 +381,104 @@ def test_compiled_closed_forms_equal_the_models_over_their_features(exact):
         assert p.tbt.tbt(DecodeState("a", running, kv), prompt, mt) == pytest.approx(want, rel=1e-9)
         want = models.terms["transfer"].pooled.predict(transfer_features(r, 1.0, prompt, d.net_bytes_per_s))
         assert p.transfer.transfer_time(prompt, "a", "b") == pytest.approx(want, rel=1e-9)
+
+
+def test_a_prefill_sharing_its_instance_from_the_same_instant_or_under_an_earlier_leg_is_not_lone():
+    """A lone prefill is one the instance ran alone: neither a leg started at the same instant
+    (a chunked step runs both) nor one started earlier and still running counts as lone."""
+    recs = synth_records(6, seed=11)
+    a, b, c = recs[0], recs[1], recs[2]
+    # b starts with a (same instant) and finishes first: both shared the instance
+    b.prefill_start_s = b.decided_s = b.arrival_s = a.prefill_start_s
+    b.prefill_end_s = a.prefill_start_s + 0.5 * (a.prefill_end_s - a.prefill_start_s)
+    # c starts under a long leg started before it, and finishes before that leg
+    long_start, c_len = c.prefill_start_s, c.prefill_end_s - c.prefill_start_s
+    recs[3].prefill_start_s = recs[3].decided_s = recs[3].arrival_s = long_start - 0.001
+    recs[3].prefill_end_s = long_start + 3 * c_len
+    by_id = {}
+    for row in build_dataset(recs).prefill:
+        for rid in row.request_ids:
+            by_id[rid] = row.clean
+    assert by_id[a.request_id] is False and by_id[b.request_id] is False
+    assert by_id[c.request_id] is False
+    assert by_id[recs[5].request_id] is True  # untouched and alone
+
+
+def test_conformal_scale_recovers_the_coverage_of_a_miscalibrated_quantile():
+    """A quantile that is really the p75 (or the p97) of lognormal noise is scaled, on a
+    calibration sample, to cover 90% of fresh data (the scale known in closed form)."""
+    import numpy as np
+
+    from predictors.fit import conformal_scale
+
+    rng = np.random.default_rng(3)
+    sigma = 0.2
+    z75, z90, z97 = 0.6745, 1.2816, 1.8808
+    for z_fit in (z75, z97):
+        point = rng.uniform(0.01, 2.0, 4000)
+        actual = point * np.exp(sigma * rng.standard_normal(4000))
+        upper = point * math.exp(sigma * z_fit)
+        s = conformal_scale(actual[:2000], point[:2000], upper[:2000], 0.9)
+        assert s == pytest.approx(math.exp(sigma * (z90 - z_fit)), rel=0.03)
+        fresh = np.mean(actual[2000:] <= np.maximum(point[2000:], s * upper[2000:]))
+        assert 0.875 <= fresh <= 0.925, fresh
+    # too few calibration rows: no scale
+    assert conformal_scale(np.ones(5), np.ones(5), np.ones(5), 0.9) is None
+
+
+def test_calibrate_holds_out_a_calibration_split_and_its_p90s_cover_held_out_rows(tmp_path):
+    """Noise of known sigma on every term: each term's held-out p90 coverage lands near 90%, the
+    TTFT's too (its upper is the sum of the terms' scaled by its own conformal factor), and the
+    scales are in models.json and survive a reload."""
+    m = calibrate(synth_records(1500, seed=12, noise=0.08), str(tmp_path), draw=False)
+    h = m["holdout_metrics"]
+    for term in ("prefill", "tbt", "handover", "ttft"):
+        assert 0.84 <= h[term]["learned"]["p90_coverage"] <= 0.96, (term, h[term]["learned"])
+    raw = json.load(open(tmp_path / MODELS_FILE))
+    cal = raw["meta"]["p90_calibration"]
+    assert cal["split"] == "cv" and cal["prefill"]["n"] >= 600  # cross-conformal: every training row calibrates
+    assert raw["calibration"]["ttft_p90_scale"] == pytest.approx(cal["ttft"]["scale"])
+    models = load_models(str(tmp_path))
+    assert models.terms["prefill"].pooled.p90_scale == pytest.approx(cal["prefill"]["scale"])
+    assert models.ttft_p90_scale == pytest.approx(cal["ttft"]["scale"])
+    bad = dict(raw, calibration={"ttft_p90_scale": -1})
+    with pytest.raises(ModelError, match="ttft_p90_scale"):
+        parse_models(bad)
+    bad = _set(raw, "tbt", "p90_scale", float("inf"))
+    with pytest.raises(ModelError, match="p90_scale"):
+        parse_models(bad)
+
+
+def test_calibrate_learns_the_store_load_inside_the_prefill_leg_and_serves_it(tmp_path):
+    """Prefill legs that load part of their prefix from the store first: the store term's weights
+    are recovered from the legs (the learned prefill as their offset), scored held out against the
+    prior's load, and served for store transfers; host-tier loads, never observed, stay analytic."""
+    m = calibrate(synth_records(600, seed=13, store_share=0.5), str(tmp_path), draw=False)
+    models = load_models(str(tmp_path))
+    assert models.terms["store"].pooled.coef == pytest.approx(TRUE["store"], rel=1e-6)
+    assert "host" not in models.terms and "host" in m["missing"]
+    h = m["holdout_metrics"]
+    assert h["store"]["learned"]["n"] > 20 and h["store"]["learned"]["mape"] < 1e-6
+    assert h["store_load"]["learned"]["mape"] < 1e-6 < h["store_load"]["analytic"]["mape"]
+    p = learned_predictors(str(tmp_path), online=False)
+    d = load_deployment(DEPLOYMENT)
+    p.register("p-1", d, 400_000)
+    from predictors.learned import load_features, physics
+    from predictors.types import Tier
+    want = sum(w * x for w, x in zip(TRUE["store"], load_features(physics(d), 1.0, Tier.STORE, 4096), strict=True))
+    assert p.transfer.transfer_time(4096, Tier.STORE, "p-1") == pytest.approx(want, rel=1e-9)
+    analytic = make_predictors("analytic")
+    analytic.register("p-1", d, 400_000)
+    assert p.transfer.transfer_time(4096, Tier.HOST, "p-1") == pytest.approx(
+        analytic.transfer.transfer_time(4096, Tier.HOST, "p-1"))
+
+
+def test_a_term_worse_than_the_prior_held_out_is_left_to_the_prior():
+    from predictors.calibrate import _worse_than_prior
+
+    def m(n, learned, analytic):
+        return {"learned": {"n": n, "mape": learned}, "analytic": {"n": n, "mape": analytic}}
+
+    worse = _worse_than_prior({"prefill": m(200, 0.03, 0.09), "tbt": m(800, 0.05, 0.2),
+                               "store_load": m(21, 0.48, 0.33), "handover": m(5, 0.9, 0.1)})
+    assert set(worse) == {"store"} and "worse than the analytic prior" in worse["store"]  # 5 rows judge nothing

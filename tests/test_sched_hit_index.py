@@ -11,7 +11,7 @@ B = A[:12] + list(range(500, 528))
 C = list(range(900, 940))
 SEQS = (A, B, C)
 INSTANCES = ("i0", "i1", "i2")
-MEDIA = {"GPU": "device", "CPU": "host", "CPU_PINNED": "host", "EXTERNAL": "store", "DISK": "store"}
+MEDIA = {"GPU": "device", "CPU": "host", "CPU_PINNED": "host", "EXTERNAL": "store", "DISK": "store", "cpu": "store"}
 
 
 def salted(hashes, instance, trust=False):
@@ -300,3 +300,12 @@ def test_longest_prefix_on_long_chains_spanning_many_walk_chunks(stores, holes, 
         assert m.device.get(i, 0) == run(device.__contains__)
         assert m.local.get(i, 0) == run(local.__contains__)
     assert m.store == run(lambda x: any(x in held[i]["store"] for i in INSTANCES))
+
+
+def test_store_media_are_told_apart_from_host_memory_by_case():
+    from scheduler.hit_index import tier_of
+    # vLLM: GPU / CPU (offloading) / cpu (MooncakeStoreConnector, as the Mooncake master's events);
+    # SGLang: GPU / CPU_PINNED / DISK / EXTERNAL
+    assert [tier_of(m) for m in ("GPU", "CPU", "cpu", "disk", "CPU_PINNED", "EXTERNAL", "DISK", None)] == \
+        [0, 1, 2, 2, 1, 2, 2, 0]
+    assert tier_of("Cpu") == 1 and tier_of("TAPE") is None

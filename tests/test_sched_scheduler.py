@@ -358,3 +358,18 @@ def test_a_mixed_fleet_never_pairs_across_protocols():
         sched.release(f"s{i}")
     sched.set_healthy("vd", False)
     assert sched.decide(facts("t")).reason == "no_healthy_decode"
+
+
+def test_the_stores_own_answer_replaces_the_indexs_store_walk():
+    """Engines announce what they wrote to the store (medium ``cpu``) but not what it evicted: when
+    the gateway's store tier answered from the store itself, that answer is the store's part of
+    the decision (and the index's store walk is skipped); without one, the index's is."""
+    s, _ = pd()
+    f = facts("a", n=1000)
+    s.index.block_stored("p0", f.block_hashes[:40], None, toks(1, 1000)[:40 * BS], BS, "cpu")
+    s.decide(f)
+    assert s.decisions[-1]["store_hit_tokens"] == 40 * BS  # no store tier: the engines' events
+    g = facts("b", n=1000)
+    g.store_blocks = 12  # the store tier: it evicted the rest
+    s.decide(g)
+    assert s.decisions[-1]["store_hit_tokens"] == 12 * BS

@@ -2,11 +2,10 @@
 recomputed, on another, with the load time charged; the simulator with ``--store``."""
 from __future__ import annotations
 
-import pytest
-
 from engines_adapters.sim.model import EngineModel, SimRequest
 from engines_adapters.store.connector import ModelConnector
 from engines_adapters.store.model import StoreModel, StoreSpec
+from scheduler.hashing import block_hashes
 from tests.test_sim_model import BS, PROFILE, drain, prompt
 
 
@@ -83,13 +82,16 @@ def test_the_simulator_with_a_store_reuses_prefixes_across_instances():
     assert on > off + 0.1  # round robin spreads a conversation's turns; the store shares their prefixes
 
 
-def test_a_salted_prompt_is_not_written_under_the_base_namespaces_keys():
+def test_a_salted_prompt_is_written_with_its_namespace():
     e = EngineModel(PROFILE, "prefill", noise=0, store_writes=True)
     p = prompt(800)
     e.add_request(SimRequest("s", p, 1, output_len=1, hold_kv=True, cache_salt="tenant-a"), 0.0)
     e.add_request(SimRequest("b", p, 1, output_len=1, hold_kv=True), 0.0)
     _, results, _ = drain(e)
-    assert [w[0] for r in results for w in r.store_writes] == ["b"]
+    w = {x[0]: x for r in results for x in r.store_writes}
+    assert set(w) == {"s", "b"}
+    assert w["s"][3:] == ("tenant-a", None) and w["b"][3:] == (None, None)
+    assert w["s"][1] == w["b"][1] and not set(w["s"][2]) & set(w["b"][2])  # same tokens, own chain
 
 
 def test_write_back_stores_blocks_when_the_device_evicts_them():
@@ -111,5 +113,20 @@ def test_write_back_stores_blocks_when_the_device_evicts_them():
     f, _, _ = drain(e1, now + 1)
     c = f["c"]
     assert c.cached_tokens == (1600 - 1) // BS * BS and 0 < c.store_tokens < c.cached_tokens and c.transfer_s > 0
-    with pytest.raises(ValueError, match="write_back needs an in-process"):
-        EngineModel(PROFILE, "prefill", store_writes=True, store_policy="write_back")
+
+
+def test_live_write_back_reports_evicted_blocks_not_prefills():
+    e = EngineModel(PROFILE, "prefill", noise=0, kv_capacity_tokens=120 * BS, kv_events=True,
+                    store_writes=True, store_policy="write_back")
+    p = prompt(1600)  # 100 blocks
+    e.add_request(SimRequest("a", p, 1, output_len=1, hold_kv=True), 0.0)
+    _, results, now = drain(e)
+    assert [w[0] for r in results for w in r.store_writes] == ["a"]  # its keys, to remember
+    assert not [x for r in results for x in r.store_evicted]
+    e.release_kv("a")
+    e.add_request(SimRequest("b", prompt(1600, seed=2), 1, output_len=1, hold_kv=True), now)
+    _, results, _ = drain(e, now)
+    ev = [x for r in results for x in r.store_evicted]
+    a_hashes = set(block_hashes(p, BS))
+    assert len(ev) >= 80 and {x[0] for x in ev} <= a_hashes
+    assert all(isinstance(x[1], int) for x in ev)  # with the event ids the device events used

@@ -160,3 +160,131 @@ def test_a_store_with_configured_engines_needs_the_model_name():
         parse_config(tomllib.loads('[store]\nurl = "http://127.0.0.1:9003"\n' + eng))
     cfg = parse_config(tomllib.loads('[store]\nurl = "http://127.0.0.1:9003"\nmodel = "m"\n' + eng))
     assert cfg.store is not None and cfg.store.model == "m" and cfg.store.kv_events is None
+
+
+@pytest.mark.parametrize("mode", ["events", "query"])
+def test_salted_and_lora_lookups_find_their_own_namespaces_objects_only(mode):
+    """The gateway looks a salted or LoRA request up under its namespace's keys (vLLM's extra
+    keys in the digests): one tenant's objects are found by its repeat, never by another tenant
+    or the base namespace."""
+    from scheduler.hashing import namespace_parent
+    port, events = free_port(), free_port()
+    proc = start_store(port, events if mode == "events" else None)
+
+    async def run():
+        cfg = StoreConfig(url=f"http://127.0.0.1:{port}", model=MODEL, cache_ttl_s=0.0,
+                          kv_events=f"tcp://127.0.0.1:{events}" if mode == "events" else None)
+        tier = StoreTier(cfg, BS, MODEL)
+        assert await tier.start()
+        tokens, base_hashes, _ = prompt_keys(20)
+        recipe = KeyRecipe("vllm", MODEL, BS, seed_text="0")
+        a_keys = [recipe.key(d) for d in vllm_block_digests(tokens, BS, seed_text="0", cache_salt="tenant-a")]
+        await asyncio.sleep(0.2)  # events: the subscription settles
+        await tier.client.put(a_keys[:12], [1000] * 12)
+
+        def chain(salt=None, lora=None):
+            return block_hashes(tokens, BS, parent=namespace_parent(salt, lora))
+
+        async def found(salt=None, lora=None):
+            ns = (salt, lora) if salt or lora else None
+            return await tier.lookup(tokens, chain(salt, lora), 20, ns)
+        await _wait(lambda: _eq(found("tenant-a"), 12))
+        assert await found("tenant-b") == 0 and await found() == 0 and await found(None, "sql") == 0
+        lora_keys = [recipe.key(d) for d in vllm_block_digests(tokens, BS, seed_text="0", lora_name="sql")]
+        await tier.client.put(lora_keys[:9], [1000] * 9)
+        await _wait(lambda: _eq(found(None, "sql"), 9))
+        assert await found("tenant-a") == 12 and await found() == 0
+        await tier.stop()
+
+    try:
+        asyncio.run(run())
+    finally:
+        stop(proc)
+
+
+async def _eq(aw, want) -> bool:
+    return await aw == want
+
+
+def test_a_next_turn_finds_the_mapped_prefix_and_a_removal_since_cuts_it():
+    """Events mode without a process: the resident set is fed as the master's events would."""
+    from engines_adapters.store.events import StoreEvent
+    tier = StoreTier(StoreConfig(url="http://127.0.0.1:1", kv_events="tcp://127.0.0.1:1", model=MODEL), BS, MODEL)
+    tier.stale = False
+    tokens, hashes, keys = prompt_keys(60)
+    turn1 = tokens[:40 * BS + 1]
+
+    async def run():
+        tier.apply([StoreEvent("stored", k, "cpu", []) for k in keys[:40]])
+        assert await tier.lookup(turn1, hashes[:40], 40) == 40
+        await asyncio.sleep(0)  # the deferred bookkeeping
+        tier.apply([StoreEvent("stored", k, "cpu", []) for k in keys[40:]])
+        assert await tier.lookup(tokens, hashes, 59) == 59 and len(tier._held) == 40  # (59 once remembered)
+        await asyncio.sleep(0)
+        tier.apply([StoreEvent("removed", keys[17], "cpu", [])])
+        assert await tier.lookup(tokens, hashes, 59) == 17 and len(tier._held) == 17
+        await asyncio.sleep(0)
+        tier.apply([StoreEvent("stored", keys[17], "cpu", [])])  # back: the walk goes on past the cut
+        assert await tier.lookup(tokens, hashes, 59) == 59
+    asyncio.run(run())
+
+
+def test_blocks_written_for_prompts_never_looked_up_are_still_found():
+    """A lookup skips hashing blocks its digest memo does not know only while every resident
+    block is known to it: a block another router's engine wrote (a "foreign" one) is hashed and
+    found; once the store forgets it, new prompts cost no hashing again."""
+    from engines_adapters.store.events import StoreEvent
+    tier = StoreTier(StoreConfig(url="http://127.0.0.1:1", kv_events="tcp://127.0.0.1:1", model=MODEL), BS, MODEL)
+    tier.stale = False
+    seen, seen_hashes, seen_keys = prompt_keys(30, seed=1)
+    other, other_hashes, other_keys = prompt_keys(30, seed=2)
+
+    async def run():
+        assert await tier.lookup(seen, seen_hashes, 30) == 0
+        await asyncio.sleep(0)  # its digests are remembered: its write-through is known
+        tier.apply([StoreEvent("stored", k, "cpu", []) for k in seen_keys])
+        assert not tier._foreign and len(tier._held) == 30  # mapped as the events came
+        before = tier.book.hashed
+        novel, novel_hashes, _ = prompt_keys(30, seed=3)
+        assert await tier.lookup(novel, novel_hashes, 30) == 0 and tier.book.hashed == before  # no SHA
+        await asyncio.sleep(0)
+        tier.apply([StoreEvent("stored", k, "cpu", []) for k in other_keys[:20]])  # never looked up
+        assert len(tier._foreign) == 20
+        assert await tier.lookup(other, other_hashes, 30) == 20  # hashed and found
+        assert await tier.lookup(seen, seen_hashes, 30) == 30
+        await asyncio.sleep(0)
+        assert not tier._foreign  # the lookup taught the memo their digests
+        tier.apply([StoreEvent("removed", k, "cpu", []) for k in other_keys[:20]])
+        before = tier.book.hashed
+        assert await tier.lookup(*prompt_keys(30, seed=4)[:2], 30) == 0 and tier.book.hashed == before
+    asyncio.run(run())
+
+
+def test_the_embedded_engines_store_write_policy_is_checked():
+    import tomllib
+
+    from gateway.config import ConfigError, parse_config
+    assert parse_config(tomllib.loads('[embedded]\nstore_write = "back"\n')).embedded.store_write == "back"
+    assert parse_config(tomllib.loads("")).embedded.store_write == "through"
+    with pytest.raises(ConfigError, match="store_write must be 'through' or 'back'"):
+        parse_config(tomllib.loads('[embedded]\nstore_write = "sideways"\n'))
+
+
+def test_a_full_digest_memo_keeps_resident_blocks_digests():
+    from engines_adapters.store.events import StoreEvent
+    tier = StoreTier(StoreConfig(url="http://127.0.0.1:1", kv_events="tcp://127.0.0.1:1", model=MODEL), BS, MODEL)
+    tier.stale = False
+    tier.book.max_entries = 40
+    tokens, hashes, keys = prompt_keys(30, seed=1)
+
+    async def run():
+        await tier.lookup(tokens, hashes, 30)
+        await asyncio.sleep(0)
+        tier.apply([StoreEvent("stored", k, "cpu", []) for k in keys[:20]])
+        for seed in (5, 6, 7):  # other prompts' digests push the memo past its bound
+            t, h, _ = prompt_keys(30, seed=seed)
+            await tier.lookup(t, h, 30)
+            await asyncio.sleep(0)
+        memo = set(tier.book._memo.values())
+        assert len(tier.book._memo) == 40 and tier.resident <= memo and not tier._foreign
+    asyncio.run(run())

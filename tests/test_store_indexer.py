@@ -131,3 +131,24 @@ def test_register_subscribes_to_a_publisher_and_unregister_removes_it(api):
     r = c.post("/unregister", json={k: v for k, v in body.items() if k not in ("endpoint", "replay_endpoint")})
     assert r.json() == {"status": "unregistered successfully", "removed_instances": ["vllm-prefill-node1|default|0"]}
     assert "vllm-prefill-node1" not in cluster.scheduler.index and not cluster.watched
+
+
+def test_blocks_an_engine_announced_in_the_store_medium_count_as_its_cpu_hits(api):
+    """vLLM's MooncakeStoreConnector announces blocks it wrote to the store with medium ``cpu``
+    (lower case; ``CPU`` is host memory): the instance's CPU answer covers its device prefix plus
+    what it wrote to the store, GPU only the device; the shared store's entry shows them too."""
+    c, cluster, _ = api
+    tokens = list(range(200, 220))  # 5 blocks
+    index = cluster.scheduler.index
+    ids = list(range(1, 6))
+    assert index.block_stored("prefill-1", ids[:2], None, tokens[:8], BS, "GPU")
+    assert index.block_stored("prefill-1", ids, None, tokens, BS, "cpu")  # written through: all 5
+    assert index.cached_blocks("prefill-1") == {"device": 2, "host": 0, "store": 5}
+    body = c.post("/query", json={"model": "m", "token_ids": tokens + [1], "block_size": BS}).json()["default"]
+    assert body["prefill-1"] == {"longest_matched": 20, "GPU": 8, "CPU": 20, "DISK": 0, "DP": {"0": 20}}
+    assert "prefill-2" not in body or body["prefill-2"]["longest_matched"] == 0
+    assert body["store"]["CPU"] == 20
+    # the store evicted block 4 (the engine learned it): CPU stops before it, the device prefix stays
+    assert index.block_removed("prefill-1", [4], "cpu")
+    body = c.post("/query", json={"model": "m", "token_ids": tokens + [1], "block_size": BS}).json()["default"]
+    assert body["prefill-1"]["GPU"] == 8 and body["prefill-1"]["CPU"] == 12

@@ -105,3 +105,62 @@ def test_two_live_engines_share_a_prefix_through_the_store():
             tok = e1.post("/tokenize", {"messages": body["messages"]})[2]["tokens"]
             recipe = KeyRecipe("vllm", "meta-llama/Meta-Llama-3-8B-Instruct", 16, seed_text=HASH_SEED)
             assert recipe.key(vllm_block_digests(tok, 16, seed_text=HASH_SEED)[0]) in keys
+
+
+@pytest.mark.slow
+def test_live_write_back_salted_keys_and_store_medium_events():
+    """Two live engines on one sim-store. prefill-1 writes back: nothing reaches the store until
+    its device evicts the prompt, which prefill-2 then loads; its KV events (on the wire) mark the
+    written blocks ``medium: "cpu"`` (vLLM's MooncakeStoreConnector). A salted prompt is written
+    under its tenant's keys: the same tenant hits on prefill-2, another tenant does not."""
+    from engines_adapters.kv_wire import decode_batch
+    port = free_port()
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    bs, n = 16, 150
+    a = [1 + (i * 7) % 251 for i in range(n * bs)]
+    b = [2 + (i * 13) % 241 for i in range(n * bs)]
+
+    def complete(e, tokens, **extra):
+        st, _, r = e.post("/v1/completions", {"model": "llama3-8b", "prompt": tokens, "max_tokens": 1, **extra})
+        assert st == 200, r
+        return r
+
+    try:
+        with SimStoreProcess() as store, \
+                SimEngineProcess("--kv-store", store.url, "--kv-store-write", "back", "--kv-capacity-tokens",
+                                 str(200 * bs), "--noise", "0", "--kv-events", f"tcp://*:{port}",
+                                 role="prefill") as e1, \
+                SimEngineProcess("--kv-store", store.url, "--noise", "0", role="prefill") as e2:
+            complete(e1, a)
+            complete(e1, a[:bs * 3])  # a later request on the same engine: still nothing put
+            assert store.metric("master_put_start_requests_total") == 0 and store.metric("master_key_count") == 0
+            complete(e1, b)  # needs the room: a's blocks are evicted and written back
+            wait_until(lambda: store.metric("master_key_count") > 0, what="the write-back")
+            stored: set[int] = set()
+            while sub.poll(2000):
+                _, _, payload = sub.recv_multipart()
+                for ev in decode_batch(payload)[1]:
+                    if type(ev).__name__ == "BlockStored" and ev.medium == "cpu":
+                        stored.update(ev.block_hashes)
+                if len(stored) >= store.metric("master_key_count"):
+                    break
+            assert len(stored) == store.metric("master_key_count")
+            # prefill-2 computes a's head itself; the tail prefill-1 evicted comes from the store
+            keys = int(store.metric("master_key_count"))
+            complete(e2, a[:(n - keys) * bs])
+            r = complete(e2, a)
+            assert r["kv_store"]["loaded_tokens"] >= (keys - 2) * bs and r["kv_store"]["load_s"] > 0
+            # salted: written through by prefill-2 under tenant-a's keys
+            before = store.metric("master_key_count")
+            complete(e2, b, cache_salt="tenant-a")
+            wait_until(lambda: store.metric("master_key_count") >= before + n, what="the salted write-through")
+            other = complete(e1, b, cache_salt="tenant-b")
+            same = complete(e1, b, cache_salt="tenant-a")
+            assert "kv_store" not in other
+            assert same["kv_store"]["loaded_tokens"] == (n * bs - 1) // bs * bs
+    finally:
+        sub.close(0)
+        ctx.term()

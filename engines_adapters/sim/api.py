@@ -360,8 +360,9 @@ class OpenAIApi:
         req = SimRequest(rid, g.prompt, g.max_tokens, output_len=g.max_tokens if g.ignore_eos else None,
                          hold_kv=bool(g.kv and g.kv.do_remote_decode), remote_kv=remote, cache_salt=g.cache_salt,
                          lora_name=g.lora, block_hashes=g.block_hashes)
-        if self.store is not None and not remote and not (g.cache_salt or req.lora_name):
-            req.store_blocks, req.store_fetched, req.store_load_s = await self.store.prefetch(g.prompt)
+        if self.store is not None and not remote:  # (a salt or adapter: the namespace's own keys)
+            req.store_blocks, req.store_fetched, req.store_load_s = await self.store.prefetch(
+                g.prompt, g.cache_salt or None, req.lora_name or None)
         try:
             st = self.driver.submit(req)
         except ValueError as e:

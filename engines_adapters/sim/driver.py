@@ -60,6 +60,7 @@ class EngineDriver:
         self.publisher = publisher
         self.on_kv_loaded = on_kv_loaded
         self.on_store_writes = on_store_writes  # prompts to write through to the shared store
+        self.on_store_evicted: Callable[[list], None] | None = None  # write-back: blocks the device evicted
         self._streams: dict[str, RequestStream] = {}
         self._wake = asyncio.Event()
         self._loop = asyncio.get_running_loop()
@@ -151,6 +152,8 @@ class EngineDriver:
             self.publisher.publish(time.time(), res.events)
         if res.store_writes and self.on_store_writes is not None:
             self.on_store_writes(res.store_writes)
+        if res.store_evicted and self.on_store_evicted is not None:
+            self.on_store_evicted(res.store_evicted)
         if res.kv_loaded and self.on_kv_loaded is not None:
             for rid in res.kv_loaded:
                 self.on_kv_loaded(rid)

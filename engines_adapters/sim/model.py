@@ -36,8 +36,14 @@ from scheduler.hashing import (
     vllm_seed_text,
 )
 
-from ..kv_wire import MEDIUM_GPU, BlockStored
-from ..sglang_wire import MEDIUM_HOST as SGLANG_MEDIUM_HOST, digest_to_event_id, page_digests, salt_seed
+from ..kv_wire import MEDIUM_GPU, MEDIUM_STORE, BlockStored
+from ..sglang_wire import (
+    MEDIUM_HOST as SGLANG_MEDIUM_HOST,
+    MEDIUM_STORE as SGLANG_MEDIUM_STORE,
+    digest_to_event_id,
+    page_digests,
+    salt_seed,
+)
 from .kv_cache import Block, KVCache, lora_int_id
 from .profiles import Profile
 from .records import EngineStats, Finished, FirstToken, HeldKV, SimRequest, StepResult
@@ -120,11 +126,10 @@ class EngineModel:
         report prefills in ``StepResult.store_writes`` for a driver that writes to the store (the
         live engine, which loads what ``SimRequest.store_blocks`` says); ``store_policy``:
         ``write_through`` (after each prefill, HiCache's default) or ``write_back`` (blocks go to
-        the store when the device evicts them; an in-process connector only)."""
+        the store when the device evicts them: an in-process connector is called, a live driver
+        gets them in ``StepResult.store_evicted``)."""
         if store_policy not in ("write_through", "write_back"):
             raise ValueError(f"store_policy must be write_through or write_back, got {store_policy!r}")
-        if store_policy == "write_back" and store is None and store_writes:
-            raise ValueError("write_back needs an in-process store connector (the simulator's)")
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         if block_size <= 0 or max_num_seqs <= 0 or max_num_batched_tokens <= 0:
@@ -167,6 +172,7 @@ class EngineModel:
         self._sglang_ids = event_hashes == "sglang"
         if self._sglang_ids:
             self.kv.host_medium = SGLANG_MEDIUM_HOST
+        self.store_medium = SGLANG_MEDIUM_STORE if self._sglang_ids else MEDIUM_STORE  # store-resident blocks
         # "vllm": events name blocks by vLLM's sha256 ids, as on the wire; "index": by the chained
         # xxhash the engine already keys its cache by, removals merged (the simulator's choice: a
         # subscriber re-hashes the events' token ids either way, sha256 per block dominates its run
@@ -198,10 +204,11 @@ class EngineModel:
         self.num_preemptions = 0
         self.store = store
         self.store_writes = store_writes
-        self.write_back = store_policy == "write_back" and store is not None
+        self.write_back = store_policy == "write_back" and (store is not None or store_writes)
         self._now = 0.0  # the current step's start (evictions during it are written back then)
+        self._evicted: list[tuple] = []  # live write-back: blocks evicted during this step
         if self.write_back:
-            self.kv.on_evict = self._written_back
+            self.kv.on_evict = self._written_back if store is not None else self._evicted_live
         self.store_hits = 0
         self.store_loads = 0
         self.store_load_s = 0.0
@@ -428,8 +435,10 @@ class EngineModel:
         res.prefill_tokens = prefill_tokens
         res.decode_seqs = n_decode
         end = now + dur
-        if first and (self.store is not None or self.store_writes) and not self.write_back:
-            self._write_through(first, end, res)
+        if first and (self.store_writes or self.store is not None and not self.write_back):
+            self._write_through(first, end, res)  # (live write-back: the driver only remembers the keys)
+        if self._evicted:
+            res.store_evicted, self._evicted = self._evicted, []
         for s in first:
             s.first_token = end
             res.first_tokens.append(FirstToken(s.rid, s.arrival, s.scheduled if s.scheduled is not None else now,
@@ -605,6 +614,13 @@ class EngineModel:
         assert self.store is not None
         self.store.write_blocks(hashes, self._now)
 
+    def _evicted_live(self, hashes: list[int]) -> None:
+        """Live write-back: each evicted block with its event ids (its metadata is still here)."""
+        meta = self.kv.meta
+        for h in hashes:
+            m = meta.get(h) if meta is not None else None
+            self._evicted.append((h, None, None, None, None) if m is None else (h, m.vh, m.parent_vh, m.keys, m.lora))
+
     def _write_through(self, first: list[_Seq], end: float, res: StepResult) -> None:
         """Prompts just prefilled here go to the store (not a pulled one: its prefill side writes)."""
         bs = self.block_size
@@ -614,8 +630,8 @@ class EngineModel:
                 continue
             if self.store is not None:  # keyed by the namespaced chain: tenants never share
                 self.store.write(s.hashes, n, end)
-            elif s.salt is None and s.lora is None:  # the live connector's keys know no namespace
-                res.store_writes.append((s.rid, s.prompt[:n * bs], s.hashes[:n]))
+            else:  # the live connector folds the namespace into its keys as the engine's recipe does
+                res.store_writes.append((s.rid, s.prompt[:n * bs], s.hashes[:n], s.salt, s.lora))
 
     def _run_timers(self, now: float, res: StepResult) -> None:
         loaded: list[_Seq] = []
@@ -675,6 +691,28 @@ class EngineModel:
         if new and kv.events is not None:
             self._stored(s, new)
 
+    def event_extra_keys(self, a: int, b: int, lora: str | None, salt: str | None) -> list:
+        """The ``extra_keys`` of a BlockStored for blocks ``a..b`` of a request's chain: as vLLM's
+        BlockPool, one entry per block (LoRA name, salt on block 0); SGLang names the salt on
+        every event of a salted chain."""
+        if self._sglang_ids and salt:
+            return [(salt,)] * (b - a)
+        if lora or salt:
+            return [vllm_extra_keys(a + off == 0, lora, salt) for off in range(b - a)]
+        return [None] * (b - a)
+
+    def event_ids(self, tokens: list[int], hashes: list[int], salt: str | None, lora: str | None) -> list:
+        """The KV-event ids of a request's first ``len(tokens) // block_size`` blocks, from its
+        tokens (what ``_stored`` names them, without needing them cached here)."""
+        bs = self.block_size
+        if self._index_ids:
+            return list(hashes[:len(tokens) // bs])
+        if self._sglang_ids:
+            return [digest_to_event_id(d) for d in page_digests(tokens, bs, salt_seed(salt))]
+        ds = vllm_block_digests(tokens, bs, parent=self._none_digest, algo=self.hash_algo, lora_name=lora,
+                                cache_salt=salt, first=True)
+        return [digest_to_int(d) for d in ds] if self._int_ids else ds
+
     def _stored(self, s: _Seq, idxs: list[int]) -> None:
         """BlockStored events for newly cached blocks (offsets ``idxs`` of the sequence's chain),
         one per contiguous run; named by vLLM sha256 ids, or by the chained hash ("index")."""
@@ -689,11 +727,7 @@ class EngineModel:
         lora_id = lora_int_id(lora)
         for a, b in _runs(idxs):
             tokens = self._tokens(s, a * bs, b * bs)
-            # as vLLM's BlockPool: one extra-keys entry per block (LoRA name, salt on block 0), group 0
-            keys = ([vllm_extra_keys(a + off == 0, lora, salt) for off in range(b - a)] if lora or salt
-                    else [None] * (b - a))
-            if self._sglang_ids and salt:  # SGLang names the salt on every event of a salted chain
-                keys = [(salt,)] * (b - a)
+            keys = self.event_extra_keys(a, b, lora, salt)
             if meta is None:  # index ids, no host tier: a block's id is its hash
                 events.append(BlockStored(
                     block_hashes=hashes_all[a:b], parent_block_hash=hashes_all[a - 1] if a else None,

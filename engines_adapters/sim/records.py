@@ -81,9 +81,11 @@ class StepResult:
     expired: list[str] = field(default_factory=list)  # held KV freed by the hold timeout
     preempted: list[str] = field(default_factory=list)
     events: list = field(default_factory=list)  # kv_wire events, in order
-    # prompts whose prefill ended in this step, for a store write-through: (request id, prompt
-    # tokens, their block hashes); filled only when the engine writes to a store it does not hold
-    store_writes: list[tuple[str, list[int], list[int]]] = field(default_factory=list)
+    # prompts just prefilled, for a live store connector: (request id, tokens, block hashes, cache
+    # salt, LoRA adapter); and, with write-back, blocks the device evicted: (block hash, event id,
+    # parent event id, extra keys, LoRA adapter), ids None when events are off
+    store_writes: list[tuple[str, list[int], list[int], str | None, str | None]] = field(default_factory=list)
+    store_evicted: list[tuple] = field(default_factory=list)
 
     @property
     def end(self) -> float:

@@ -34,6 +34,7 @@ from scheduler.hashing import VLLM_HASH_ALGOS
 
 from .. import sglang_wire
 from ..kv_wire import encode_batch
+from ..store.mooncake import SCHEME as MOONCAKE, MooncakeRefused, MooncakeStoreClient
 from .api import OpenAIApi, ServerInfo
 from .bootstrap import MooncakePuller, RoomPuller, Rooms, bootstrap_routes, mooncake_routes
 from .driver import EngineDriver
@@ -45,7 +46,7 @@ from .profiles import load_profile, profile_names
 from .publisher import KVEventPublisher, check_endpoint, loopback_bind_address
 from .sglang_api import SGLangApi
 from .sglang_metrics import SGLangMetrics
-from .store_link import StoreLink
+from .store_link import StoreBytes, StoreLink
 
 FLAVORS = ("vllm", "sglang")
 DISAGGREGATION_MODES = {"null": "both", "prefill": "prefill", "decode": "decode"}
@@ -103,9 +104,19 @@ def build_parser() -> Parser:
     p.add_argument("--median-output-tokens", type=positive_int, default=128,
                    help="median of the output-length distribution (without ignore_eos)")
     p.add_argument("--kv-store", metavar="URL",
-                   help="shared KV store (conductor sim-store): load prefixes from it, write prompts through")
+                   help="shared KV store: load prefixes from it, write prompts through; http://... a conductor "
+                        "sim-store, mooncake://HOST:RPC_PORT a real mooncake_master (real bytes through "
+                        "MooncakeDistributedStore; only in a loopback-only network namespace, docs/store.md)")
+    p.add_argument("--kv-store-payload-bytes", type=positive_int, default=4, metavar="N",
+                   help="mooncake:// store: real bytes put per token (the modelled KV size is recorded in "
+                        "each object; default 4)")
+    p.add_argument("--kv-store-segment-mb", type=positive_int, default=64, metavar="MB",
+                   help="mooncake:// store: memory this engine mounts into the store's pool (default 64)")
     p.add_argument("--kv-store-recipe", choices=("vllm", "sglang"), default="vllm",
                    help="store key format: vLLM's MooncakeStoreConnector or SGLang HiCache's (default vllm)")
+    p.add_argument("--kv-store-write", choices=("through", "back"), default="through",
+                   help="when blocks reach the store: after each prefill (through, HiCache's write_through "
+                        "default) or when the device evicts them (back, HiCache's write_back)")
     p.add_argument("--kv-store-optional", action="store_true",
                    help="start even if the store is unreachable (warn; load and write when it answers)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* as vLLM does")
@@ -202,6 +213,7 @@ def _engine(args: argparse.Namespace) -> EngineModel:
             max_num_seqs=args.max_num_seqs, kv_capacity_tokens=args.kv_capacity_tokens,
             host_tier_tokens=args.host_tier_tokens, seed=args.seed, noise=args.noise,
             kv_events=bool(args.kv_events), kv_hold_timeout=args.kv_hold_timeout, store_writes=bool(args.kv_store),
+            store_policy="write_back" if args.kv_store and args.kv_store_write == "back" else "write_through",
             event_hashes="sglang" if args.flavor == "sglang" else "vllm",
             median_output=args.median_output_tokens, max_model_len=args.max_model_len,
             hash_algo=args.prefix_caching_hash_algo,
@@ -216,8 +228,13 @@ async def _serve(args: argparse.Namespace, engine: EngineModel, publisher: KVEve
     name = names[0]
     store = None
     if args.kv_store:
-        store = StoreLink(args.kv_store, engine, engine.profile.model["name"], args.kv_store_recipe)
-        if not await store.open():
+        store = _store_link(args, engine)
+        try:
+            opened = await store.open()
+        except MooncakeRefused as e:
+            await store.close()
+            raise CLIError(f"cannot use the KV store at {args.kv_store}: {e}") from None
+        if not opened:
             if not args.kv_store_optional:
                 await store.close()
                 raise CLIError(f"cannot reach the KV store at {args.kv_store}")
@@ -265,7 +282,11 @@ async def _serve(args: argparse.Namespace, engine: EngineModel, publisher: KVEve
         api = OpenAIApi(info, driver, metrics, puller)
     if store is not None:
         driver.on_store_writes = store.write
+        driver.on_store_evicted = store.evicted
+        store.announcer.kick = driver.kick
         api.store = store
+        if isinstance(store.client, MooncakeStoreClient):
+            metrics.registry.register(StoreBytes(store.client))
     app = web.Application(client_max_size=256 * 1024 * 1024,
                           middlewares=[api_key_middleware(args.api_key)] if args.api_key else [])
     app.add_routes(api.routes())
@@ -295,6 +316,18 @@ async def _serve(args: argparse.Namespace, engine: EngineModel, publisher: KVEve
     if store is not None:
         await store.close()
     return code
+
+
+def _store_link(args: argparse.Namespace, engine: EngineModel) -> StoreLink:
+    mooncake = None
+    if args.kv_store.startswith(MOONCAKE):
+        try:
+            mooncake = MooncakeStoreClient(args.kv_store, payload_bytes_per_token=args.kv_store_payload_bytes,
+                                           block_size=engine.block_size, segment_bytes=args.kv_store_segment_mb << 20)
+        except ValueError as e:
+            raise CLIError(str(e)) from None
+    return StoreLink(args.kv_store, engine, engine.profile.model["name"], args.kv_store_recipe, mooncake=mooncake,
+                     write=args.kv_store_write)
 
 
 async def _listen(app: web.Application, host: str, port_: int, runners: list[web.AppRunner], what: str) -> int:
