@@ -133,6 +133,10 @@ class StoreModel:
     def __init__(self, spec: StoreSpec | None = None, *, events: bool = False):
         self.spec = spec = spec if spec is not None else StoreSpec()
         self._objs: OrderedDict[Hashable, _Obj] = OrderedDict()  # LRU order: oldest use first
+        # each node's DRAM objects in the same LRU order: an eviction on one node scans its own
+        # objects, not every node's (the global scan went quadratic once a node's old objects
+        # were gone and the least used node kept being picked)
+        self._lru: list[OrderedDict[Hashable, None]] = [OrderedDict() for _ in range(spec.nodes)]
         self._used = [0] * spec.nodes  # DRAM bytes per node
         self._ssd_used = [0] * spec.nodes
         self._link_free = [0.0] * spec.nodes  # when each node's link has moved what it was given
@@ -170,6 +174,8 @@ class StoreModel:
         spec, out = self.spec, PutResult(done_at=now)
         per_node: dict[int, int] = {}
         total = 0
+        full_at: int | None = None  # the smallest size no node could make room for in this batch
+        exhausted: set[int] = set()  # nodes with nothing left to evict during this batch
         for key, size in zip(keys, sizes, strict=True):
             self.counters["put_start_requests_total"] += 1
             if key in self._objs:
@@ -184,8 +190,11 @@ class StoreModel:
                                    f"{spec.dram_bytes} bytes of memory")
                 self.counters["put_start_failures_total"] += 1
                 continue
-            nodes = self._place(size, now)
+            # nothing becomes evictable during one batch: once a size found no room, a larger
+            # one cannot either (without this, each such key rescans every object on every node)
+            nodes = None if full_at is not None and size >= full_at else self._place(size, now, exhausted)
             if nodes is None:
+                full_at = size if full_at is None else min(full_at, size)
                 out.failed[key] = "store full: no node has room and every object is leased"
                 self.counters["put_start_failures_total"] += 1
                 continue
@@ -193,7 +202,11 @@ class StoreModel:
                 self._used[n] += size
                 per_node[n] = per_node.get(n, 0) + size
             total += size
-            self._objs[key] = _Obj(size, nodes, MEDIUM_CPU, ready_at=now)
+            # not visible nor evictable until its transfer ends (the master's PutEnd): a batch
+            # larger than the free room must not evict its own earlier objects
+            self._objs[key] = _Obj(size, nodes, MEDIUM_CPU, ready_at=float("inf"))
+            for n in nodes:
+                self._lru[n][key] = None
             out.stored.append(key)
         if total:
             out.done_at = self._transfer(per_node, total, now, spec.transfer_bytes_per_s)
@@ -265,6 +278,9 @@ class StoreModel:
                 break
             o.lease_until = max(o.lease_until, ttl)
             self._objs.move_to_end(k)
+            if o.medium == MEDIUM_CPU:
+                for m in o.nodes:
+                    self._lru[m].move_to_end(k)
             n = min(o.nodes, key=lambda x: self._link_free[x])  # the least busy replica
             per_node[n] = per_node.get(n, 0) + o.size
             out.bytes += o.size
@@ -292,14 +308,18 @@ class StoreModel:
             done = max(done, free)
         return done
 
-    def _place(self, size: int, now: float) -> tuple[int, ...] | None:
-        """``replicas`` distinct nodes with room for ``size`` (evicting there if needed)."""
+    def _place(self, size: int, now: float, exhausted: set[int]) -> tuple[int, ...] | None:
+        """``replicas`` distinct nodes with room for ``size`` (evicting there if needed).
+        ``exhausted``: nodes where an eviction of this batch found nothing more to free (nothing
+        becomes evictable during one batch, so they are not rescanned)."""
         spec = self.spec
         order = sorted(range(spec.nodes), key=lambda n: self._used[n])
         chosen: list[int] = []
         for n in order:
-            if self._used[n] + size > spec.dram_bytes:
-                self._evict(n, self._used[n] + size - spec.dram_bytes, now)
+            if self._used[n] + size > spec.dram_bytes and n not in exhausted:
+                need = self._used[n] + size - spec.dram_bytes
+                if self._evict(n, need, now) < need:
+                    exhausted.add(n)
             if self._used[n] + size <= spec.dram_bytes:
                 chosen.append(n)
                 if len(chosen) == spec.replicas:
@@ -312,16 +332,19 @@ class StoreModel:
             target = self._used[node] - spec.high_watermark * spec.dram_bytes
             self._evict(node, max(target, spec.eviction_ratio * spec.dram_bytes), now)
 
-    def _evict(self, node: int, nbytes: float, now: float) -> None:
-        """Free at least ``nbytes`` of DRAM on ``node``: least recently used unleased objects first."""
+    def _evict(self, node: int, nbytes: float, now: float) -> int:
+        """Free at least ``nbytes`` of DRAM on ``node``: least recently used unleased objects first.
+        Returns the bytes freed there (less than asked: nothing else is evictable now)."""
         c = self.counters
         c["attempted_evictions_total"] += 1
         freed = 0
         victims = []
-        for k, o in self._objs.items():
+        objs = self._objs
+        for k in self._lru[node]:
             if freed >= nbytes:
                 break
-            if o.medium == MEDIUM_CPU and node in o.nodes and o.lease_until <= now and o.ready_at <= now:
+            o = objs[k]
+            if o.lease_until <= now and o.ready_at <= now:
                 victims.append((k, o))
                 freed += o.size
         for k, o in victims:
@@ -332,6 +355,7 @@ class StoreModel:
             self._drop(k, o)
         if victims:
             c["successful_evictions_total"] += 1
+        return freed
 
     def _to_ssd(self, key: Hashable, o: _Obj, now: float) -> bool:
         """Offload an evicted object to its first node's SSD, evicting older SSD objects for room."""
@@ -349,6 +373,8 @@ class StoreModel:
         for m in o.nodes:
             self._used[m] -= o.size
         self._ssd_used[n] += o.size
+        for m in o.nodes:
+            del self._lru[m][key]
         o.nodes, o.medium = (n,), MEDIUM_DISK
         if self.events is not None:
             self.events.append(("removed", key, MEDIUM_CPU))
@@ -360,6 +386,7 @@ class StoreModel:
         if o.medium == MEDIUM_CPU:
             for n in o.nodes:
                 self._used[n] -= o.size
+                del self._lru[n][key]
         else:
             self._ssd_used[o.nodes[0]] -= o.size
         if self.events is not None:

@@ -52,6 +52,9 @@ class ClusterSpec:
     kv_event_lag_s: float = 0.002
     poll_interval_s: float = 1.0
     engine: dict[str, Any] = field(default_factory=dict)  # extra EngineModel keyword arguments
+    # extra EngineModel keyword arguments for prefill-capable instances only, over ``engine``
+    # (e.g. a smaller prefix cache on the prefill side without starving the decode side)
+    prefill_engine: dict[str, Any] = field(default_factory=dict)
     store: StoreSpec | None = None  # a shared Mooncake-style KV store (None: none)
     store_blocks_per_object: int = 1  # KV blocks per store object (1: vLLM's MooncakeStoreConnector)
     store_policy: str = "write_through"  # or write_back: blocks go to the store when a device evicts them
@@ -104,7 +107,8 @@ class SimCluster:
             # decision (the live gateway indexes them all the same), so it does not produce them
             model = EngineModel(profile, role.value, block_size=spec.block_size, seed=spec.seed + k, noise=spec.noise,
                                 kv_events=role is not Role.DECODE, event_hashes="index", store=conn,
-                                store_policy=spec.store_policy, **spec.engine)
+                                store_policy=spec.store_policy,
+                                **(spec.engine if role is Role.DECODE else {**spec.engine, **spec.prefill_engine}))
             self.instances[iid] = SimInstance(iid, role, model, loop, self._on_step)
             members.append(Instance(iid, role, deployment=profile.deployment.name))
         params = dict(sched.policy_params)

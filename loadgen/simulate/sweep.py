@@ -143,7 +143,8 @@ def build_summary(cfg: SimConfig, steps: list[SimStep]) -> dict[str, Any]:
              "late_rejection": cfg.scheduler.late_rejection,
              "cluster": {"prefill": c.prefill, "decode": c.decode, "both": c.both, "profile": c.profile,
                          "block_size": c.block_size, "noise": c.noise, "kv_event_lag_ms": c.kv_event_lag_s * 1e3,
-                         "poll_interval_s": c.poll_interval_s, "engine": c.engine}},
+                         "poll_interval_s": c.poll_interval_s, "engine": c.engine,
+                         **({"prefill_engine": c.prefill_engine} if c.prefill_engine else {})}},
         simulation={"events": sum(s.stats.events for s in steps), "simulated_s": sum(s.stats.sim_s for s in steps)},
     )
     if cfg.reuse_bound:
