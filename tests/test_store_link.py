@@ -215,3 +215,42 @@ def test_write_back_puts_nothing_until_eviction_then_another_instance_loads_it()
         c, _ = await prefill(e2, l2, "c", tail, now2 + 1)
         assert c.store_tokens == ((1600 - 1) // BS - first) * BS and c.transfer_s > 0
     asyncio.run(run())
+
+
+class SlowStore(FakeStore):
+    """Answers a get only after ``delay`` seconds (a store falling behind)."""
+
+    def __init__(self, delay: float):
+        super().__init__()
+        self.delay = delay
+
+    async def get(self, keys):
+        await asyncio.sleep(self.delay)
+        return await super().get(keys)
+
+
+def test_a_store_slower_than_the_lookup_budget_is_skipped_and_counted():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from engines_adapters.sim.store_link import StoreFailures
+
+    async def main():
+        store = SlowStore(delay=0.0)
+        e1, e2 = engine(), engine()
+        p = prompt(64)
+        await prefill(e1, link(store, e1), "a", p)  # written through
+        fast = link(store, e2)
+        fast.lookup_timeout_s = 0.5
+        assert (await fast.prefetch(p))[1] > 0  # answered within the budget: loaded
+        store.delay = 5.0
+        slow = link(store, engine())
+        slow.lookup_timeout_s = 0.05
+        t0 = asyncio.get_running_loop().time()
+        assert await slow.prefetch(p) == (0, 0, 0.0)  # given up on: recompute
+        assert asyncio.get_running_loop().time() - t0 < 2.0  # not the store's 5 s
+        assert slow.lookup_timeouts == 1 and fast.lookup_timeouts == 0
+        registry = CollectorRegistry()
+        registry.register(StoreFailures(slow))
+        assert 'sim:store_failures_total{kind="lookup_timeout"} 1.0' in generate_latest(registry).decode()
+
+    asyncio.run(main())

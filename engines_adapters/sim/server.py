@@ -46,7 +46,7 @@ from .profiles import load_profile, profile_names
 from .publisher import KVEventPublisher, check_endpoint, loopback_bind_address
 from .sglang_api import SGLangApi
 from .sglang_metrics import SGLangMetrics
-from .store_link import StoreBytes, StoreLink
+from .store_link import StoreBytes, StoreFailures, StoreLink
 
 FLAVORS = ("vllm", "sglang")
 DISAGGREGATION_MODES = {"null": "both", "prefill": "prefill", "decode": "decode"}
@@ -117,6 +117,9 @@ def build_parser() -> Parser:
     p.add_argument("--kv-store-write", choices=("through", "back"), default="through",
                    help="when blocks reach the store: after each prefill (through, HiCache's write_through "
                         "default) or when the device evicts them (back, HiCache's write_back)")
+    p.add_argument("--kv-store-lookup-timeout-ms", type=positive_int, default=250, metavar="MS",
+                   help="how long a prefill waits for the store's lookup before it recomputes instead "
+                        "(default 250)")
     p.add_argument("--kv-store-optional", action="store_true",
                    help="start even if the store is unreachable (warn; load and write when it answers)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* as vLLM does")
@@ -285,6 +288,7 @@ async def _serve(args: argparse.Namespace, engine: EngineModel, publisher: KVEve
         driver.on_store_evicted = store.evicted
         store.announcer.kick = driver.kick
         api.store = store
+        metrics.registry.register(StoreFailures(store))
         if isinstance(store.client, MooncakeStoreClient):
             metrics.registry.register(StoreBytes(store.client))
     app = web.Application(client_max_size=256 * 1024 * 1024,
@@ -327,7 +331,7 @@ def _store_link(args: argparse.Namespace, engine: EngineModel) -> StoreLink:
         except ValueError as e:
             raise CLIError(str(e)) from None
     return StoreLink(args.kv_store, engine, engine.profile.model["name"], args.kv_store_recipe, mooncake=mooncake,
-                     write=args.kv_store_write)
+                     write=args.kv_store_write, lookup_timeout_s=args.kv_store_lookup_timeout_ms / 1000)
 
 
 async def _listen(app: web.Application, host: str, port_: int, runners: list[web.AppRunner], what: str) -> int:

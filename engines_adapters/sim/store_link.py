@@ -46,11 +46,12 @@ def _ns(salt: str | None, lora: str | None) -> Namespace:
 
 class StoreLink:
     def __init__(self, url: str, engine: EngineModel, model_name: str, recipe: str = "vllm", write: str = "through",
-                 kick=None, mooncake: MooncakeStoreClient | None = None):
+                 kick=None, mooncake: MooncakeStoreClient | None = None, lookup_timeout_s: float = 0.25):
         """``write``: ``through`` (after each prefill) or ``back`` (on device eviction; the engine
         must be built with ``store_policy="write_back"``); ``kick``: wakes the engine loop so
         store events are published at once; ``mooncake``: the real store's client
-        for a ``mooncake://`` URL."""
+        for a ``mooncake://`` URL; ``lookup_timeout_s``: how long a prefill waits for the store's
+        answer before it recomputes (a slow store must not delay every prefill)."""
         if write not in WRITE_POLICIES:
             raise ValueError(f"store write policy must be one of {', '.join(WRITE_POLICIES)}, got {write!r}")
         self.url, self.engine = url, engine
@@ -71,6 +72,8 @@ class StoreLink:
         self._puts: set[asyncio.Task] = set()
         self.put_errors = 0
         self.get_errors = 0
+        self.lookup_timeout_s = lookup_timeout_s
+        self.lookup_timeouts = 0
         self.skipped_puts = 0
         self._warned = 0.0
 
@@ -112,7 +115,11 @@ class StoreLink:
             return 0, 0, 0.0
         keys = self.keys.keys(prompt, hashes, limit, _ns(salt, lora))[local:]
         try:
-            found, seconds = await self.client.get(keys)
+            found, seconds = await asyncio.wait_for(self.client.get(keys), self.lookup_timeout_s)
+        except TimeoutError:
+            self.lookup_timeouts += 1
+            self._warn(f"store lookup took over {self.lookup_timeout_s * 1000:g} ms")
+            return 0, 0, 0.0
         except (StoreUnavailable, KeyError, TypeError, ValueError) as e:
             self.get_errors += 1
             self._warn(f"store get failed: {e}")
@@ -201,3 +208,19 @@ class StoreBytes:
             m.add_metric(["put"], put)
             m.add_metric(["get"], get)
             yield m
+
+
+class StoreFailures:
+    """Prometheus collector: store calls that failed or were given up on (the engine recomputed)."""
+
+    def __init__(self, link: StoreLink):
+        self.link = link
+
+    def collect(self):
+        m = CounterMetricFamily("sim:store_failures", "Store calls that failed, timed out or were skipped "
+                                "(the engine recomputed or did not write)", labels=["kind"])
+        ln = self.link
+        for kind, n in (("get_error", ln.get_errors), ("lookup_timeout", ln.lookup_timeouts),
+                        ("put_error", ln.put_errors), ("put_skipped", ln.skipped_puts)):
+            m.add_metric([kind], n)
+        yield m
