@@ -189,8 +189,8 @@ prompt tokens include the first token the prefill leg generates) and the gateway
 Load: `conductor loadgen --trace {TRACE} --limit {a.limit} --speedup {a.speedup:g} --repeat {a.repeat}`
 against both gateways of a pair, the order alternating per repetition. A request meets the SLO with
 TTFT <= {a.slo_ttft_ms / 1e3:g} s and TBT (mean of its slowest 10% of gaps) <= {a.slo_tbt_ms:g} ms; goodput =
-requests meeting it / step duration. **The machine has 2 cores shared with other jobs (four
-other helpers' tests and benchmarks were running): absolute times are noisy; compare within a
+requests meeting it / step duration. **The machine has 2 cores, possibly shared with other jobs
+(the Discussion below says what ran beside it): absolute times are noisy; compare within a
 pair and look at the spread between repetitions.**
 
 """ + "\n".join(sections)
