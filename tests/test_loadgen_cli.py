@@ -139,7 +139,10 @@ def test_ctrl_c_keeps_partial_results(tmp_path):
         proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "loadgen", "--target", url, "--synthetic",
                                  "--requests", "300", "--rate", "20", "--output-tokens", "20", "--out", str(out),
                                  "--quiet"],
-                                cwd=root, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+                                cwd=root, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                                # a suite started in the background ('cmd &' in a script) inherits SIGINT
+                                # ignored, and Python then never turns it into KeyboardInterrupt
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         started = False
         for line in proc.stderr:  # the step has started sending
             if "requests to" in line:
