@@ -24,10 +24,10 @@ request) and only hashes the blocks it has not seen.
 from __future__ import annotations
 
 import hashlib
-from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Container, Sequence
 
+from engines_adapters.sglang_wire import page_digests as sglang_page_digests  # SGLang's page chain, one copy
 from scheduler.hashing import vllm_block_digests, vllm_none_hash
 
 RECIPES = ("vllm", "sglang")
@@ -52,20 +52,6 @@ def sglang_namespace_seed(extra_key: str | None, cache_salt: str | None) -> byte
             raw = part.encode("utf-8", "surrogatepass")
             h.update(b"\x01" + len(raw).to_bytes(8, "little") + raw)
     return h.digest()
-
-
-def sglang_page_digests(tokens: Sequence[int], page_size: int, parent: bytes | None = None) -> list[bytes]:
-    """SGLang's page-hash chain: sha256(previous digest || page tokens as u32 LE); no prior at the root."""
-    out = []
-    prev = parent
-    for i in range(len(tokens) // page_size):
-        h = hashlib.sha256()
-        if prev is not None:
-            h.update(prev)
-        h.update(array("I", tokens[i * page_size:(i + 1) * page_size]).tobytes())
-        prev = h.digest()
-        out.append(prev)
-    return out
 
 
 class KeyRecipe:
