@@ -72,6 +72,8 @@ def create_app(cfg: GatewayConfig, guard: Any = None) -> FastAPI:
             yield
         finally:
             # bounded: a hung engine or a stuck socket never holds the shutdown (serve's deadline)
+            if "proxy" in state:  # uvicorn cancels the streams past its grace period but does not await them
+                await state["proxy"].settle(timeout_s=cfg.shutdown_timeout_s / 16)
             if cluster is not None:
                 await cluster.stop(timeout_s=cfg.shutdown_timeout_s / 4)
             if embedded is not None:

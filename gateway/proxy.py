@@ -188,6 +188,13 @@ class Proxy:
                                       "shutting_down", headers={"x-request-id": self._echo_id(rec),
                                                                 "retry-after": "1"})
 
+    async def settle(self, timeout_s: float) -> None:
+        """Let cancelled requests finish their way out (a stream's last SSE error event, a 503)
+        before the engines' connections close under them; bounded by ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while self._live and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+
     def _arrive(self, client_rid: str | None, endpoint: str) -> RequestLifecycle:
         arrival = time.monotonic()
         rid = client_rid or f"cmpl-{uuid.uuid4().hex}"

@@ -195,11 +195,14 @@ def test_sigterm_with_streams_in_flight_ends_the_gateway_and_its_engines_in_time
                 "ignore_eos": True, "stream": True}
         responses = [requests.post(url + "/v1/chat/completions", json=body, stream=True, timeout=60)
                      for _ in range(6)]
-        pool = concurrent.futures.ThreadPoolExecutor(1)
+        pool = concurrent.futures.ThreadPoolExecutor(1 + len(responses))
         whole = pool.submit(requests.post, url + "/v1/chat/completions", timeout=60,
                             json={**body, "stream": False})  # a non-streamed answer still decoding
         try:
             assert all(r.status_code == 200 for r in responses)
+            # read every stream as it comes, as a client does: one left unread fills its socket
+            # buffers, the gateway's last write can then never leave, and the stream is cut
+            readers = [pool.submit(lambda r: [line for line in r.iter_lines() if line][-2:], r) for r in responses]
             for _ in range(200):  # the non-streamed request is in progress too (7 reservations)
                 if in_flight(url) >= 7:
                     break
@@ -212,7 +215,7 @@ def test_sigterm_with_streams_in_flight_ends_the_gateway_and_its_engines_in_time
             proc.wait(timeout=20)
             took = time.monotonic() - t0
             # every stream ended cleanly (an SSE error event, then [DONE]), none was cut
-            endings = [[line for line in r.iter_lines() if line][-2:] for r in responses]
+            endings = [f.result(timeout=10) for f in readers]
         finally:
             for r in responses:
                 r.close()
