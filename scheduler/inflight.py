@@ -16,40 +16,50 @@ from __future__ import annotations
 class InflightPrefixes:
     """Block hashes placed on prefill instances and not yet confirmed; pure, clock passed in.
 
-    Per instance, each registered request's blocks as one frozenset: registering and dropping
-    cost one set build and one dict operation (this runs on every placement), a lookup probes
-    the instance's few in-flight sets.
+    Each registered request's blocks are one dict of its block hashes (ints only: a dict the
+    garbage collector does not track, where a frozenset of a few hundred ints would be walked
+    at every collection), filed under its first block's hash and its instance. A block hash
+    names its whole prefix (chained), so only registrations starting with a prompt's first
+    block can hold any of it: a lookup reads that one entry, not every instance's registrations.
+    Registering and dropping cost one dict build and a few dict operations (this runs on every
+    placement).
     """
 
     def __init__(self, grace_s: float = 1.0):
         self.grace_s = grace_s
-        self._instance: dict[str, str] = {}  # request id -> instance
-        self._sets: dict[str, dict[str, frozenset[int]]] = {}  # instance -> request id -> its blocks
+        self._where: dict[str, tuple[int, str]] = {}  # request id -> (its first block hash, instance)
+        # first block hash -> instance -> request id -> its blocks
+        self._by_first: dict[int, dict[str, dict[str, dict[int, None]]]] = {}
         self._done: dict[str, float] = {}  # request id -> when its registration lapses (prefill done)
 
     def __len__(self) -> int:
-        return len(self._instance)
+        return len(self._where)
 
     def add(self, request_id: str, instance: str, hashes: list[int]) -> None:
-        if request_id in self._instance or not hashes:
+        if request_id in self._where or not hashes:
             return
-        self._instance[request_id] = instance
-        self._sets.setdefault(instance, {})[request_id] = frozenset(hashes)
+        first = hashes[0]
+        self._where[request_id] = (first, instance)
+        self._by_first.setdefault(first, {}).setdefault(instance, {})[request_id] = dict.fromkeys(hashes)
 
     def prefill_done(self, request_id: str, now: float) -> None:
         """The prefill finished: the KV events follow; keep the entry ``grace_s`` longer."""
-        if request_id in self._instance:
+        if request_id in self._where:
             self._done[request_id] = now + self.grace_s
 
     def drop(self, request_id: str) -> None:
-        instance = self._instance.pop(request_id, None)
+        where = self._where.pop(request_id, None)
         self._done.pop(request_id, None)
-        if instance is None:
+        if where is None:
             return
-        sets = self._sets[instance]
-        del sets[request_id]
-        if not sets:
-            del self._sets[instance]
+        first, instance = where
+        by_instance = self._by_first[first]
+        registered = by_instance[instance]
+        del registered[request_id]
+        if not registered:
+            del by_instance[instance]
+            if not by_instance:
+                del self._by_first[first]
 
     def expire(self, now: float) -> None:
         """Drop the registrations whose grace ran out."""
@@ -60,18 +70,18 @@ class InflightPrefixes:
     def match(self, hashes: list[int], limit: int) -> dict[str, int]:
         """Longest contiguous prefix (blocks) each instance has registered for ``hashes[:limit]``.
 
-        A block hash names its whole prefix (chained), so a registration holding block k holds
-        blocks 0..k too: what an instance has registered of ``hashes`` is a prefix of it, and
-        its end is found by bisection, a few probes rather than one per block."""
+        A registration holding block k holds blocks 0..k too: what an instance has registered
+        of ``hashes`` is a prefix of it, and its end is found by bisection, a few probes rather
+        than one per block."""
         n = min(limit, len(hashes))
-        if not self._sets or n <= 0:
+        if not self._by_first or n <= 0:
+            return {}
+        by_instance = self._by_first.get(hashes[0])
+        if by_instance is None:
             return {}
         out: dict[str, int] = {}
-        first = hashes[0]
-        for inst, by_request in self._sets.items():
-            sets = [s for s in by_request.values() if first in s]
-            if not sets:
-                continue
+        for inst, by_request in by_instance.items():
+            sets = list(by_request.values())
             lo, hi = 1, n  # blocks [0, lo) registered; the answer is in [lo, hi]
             while lo < hi:
                 mid = (lo + hi + 1) // 2

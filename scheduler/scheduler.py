@@ -27,15 +27,7 @@ from predictors.types import Role
 from scheduler import admission
 from scheduler.admission import check_headroom
 from scheduler.cost import DecisionContext, DecodeCandidate, PrefillCandidate, TermBook, best_holder
-from scheduler.explain import (
-    DECODE_COLUMNS,
-    PREFILL_COLUMNS,
-    bare_record,
-    decode_row,
-    prefill_row,
-    request_labels,
-    table,
-)
+from scheduler.explain import bare_record, decode_table, prefill_table, request_labels
 from scheduler.hit_index import HitIndex
 from scheduler.inflight import InflightPrefixes
 from scheduler.ledger import Ledger, Reservation
@@ -612,9 +604,8 @@ class Scheduler:
             **request_labels(ctx.facts, ctx.admit_fraction),
             "store_hit_tokens": ctx.store_blocks * ctx.block_size,
             "best_holder": {"id": ctx.holder, "hit_tokens": ctx.holder_blocks * ctx.block_size},
-            "prefill": table(PREFILL_COLUMNS, [prefill_row(c, rows.get(c.id, c.local), scores.get(c.id))
-                                               for c in ctx.prefill]),
-            "decode": table(DECODE_COLUMNS, [decode_row(x, ch.decode_scores.get(x.id)) for x in ctx.decode]),
+            "prefill": prefill_table(ctx.prefill, rows, scores),
+            "decode": decode_table(ctx.decode, ch.decode_scores),
             "chosen": {"prefill": pc.candidate.id, "decode": d.id},
             "terms": {"hit_tokens": terms.hit_tokens, "local_hit_tokens": terms.local_hit_tokens,
                       "transfer_tokens": terms.transfer_tokens, "transfer_from": terms.transfer_from,

@@ -36,6 +36,20 @@ def test_registrations_lapse_after_the_prefill_plus_grace_and_at_release():
     assert reg.match([1, 2], 2) == {} and len(reg) == 0
 
 
+def test_registrations_are_found_by_their_first_block_and_leave_nothing_behind():
+    reg = InflightPrefixes()
+    chains = {f"r{k}": block_hashes(toks(k % 3, 64 + 16 * k), BS) for k in range(9)}  # three first blocks
+    for k, (rid, hashes) in enumerate(chains.items()):
+        reg.add(rid, f"p{k % 2}", hashes)
+    for k in range(3):  # each prompt finds the registrations sharing its first block, on both instances
+        got = reg.match(chains[f"r{k + 6}"], 100)
+        assert set(got) == {"p0", "p1"} and max(got.values()) == len(chains[f"r{k + 6}"])
+    assert reg.match(block_hashes(toks(5, 64), BS), 4) == {}
+    for rid in chains:
+        reg.drop(rid)
+    assert len(reg) == 0 and reg._by_first == {} and reg.match(chains["r0"], 4) == {}
+
+
 def pd(**params):
     clock = Clock(100.0)
     insts = [Instance(f"p{i}", "prefill") for i in range(3)] + [Instance("d0", "decode")]
