@@ -150,11 +150,11 @@ def roofline_prefill_s(r: Roofline, prompt_tokens: int, cached_tokens: int) -> f
 
 def roofline_decode_step_s(r: Roofline, batch: int, kv_tokens: int) -> float:
     """One decode step for ``batch`` sequences holding ``kv_tokens`` KV tokens in total."""
-    batch = max(1, batch)
-    kv = max(0, kv_tokens)
+    batch = batch if batch > 1 else 1  # max() as conditionals: this runs once per decode candidate
+    kv = kv_tokens if kv_tokens > 0 else 0
     memory = (r.weight_bytes + kv * r.kv_bytes_per_token) / r.mem_bytes_per_s
     compute = 2.0 * r.params * batch / r.flops_per_s + 4.0 * r.layers * r.hidden * kv / r.attn_flops_per_s
-    step = max(memory, compute) + r.step_overhead_s
+    step = (compute if compute > memory else memory) + r.step_overhead_s
     if kv > r.kv_capacity_tokens:  # overcommitted: preemption and recompute stretch every step
         step *= kv / r.kv_capacity_tokens
     return step
@@ -217,7 +217,8 @@ class AnalyticQueue:
     """Mooncake's T_queue: the predicted prefill seconds already queued (from the ledger)."""
 
     def queue_time(self, state: PrefillState) -> float:
-        return max(0.0, state.queued_s)
+        q = state.queued_s
+        return q if q > 0.0 else 0.0  # max(0.0, q) without the builtin's call (once per candidate)
 
 
 class AnalyticPrefill:

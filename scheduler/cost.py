@@ -72,7 +72,8 @@ class DecodeCandidate:
     def first_token_s(self, ready_s: float, ship_s: float) -> float:
         """From now to this request's first token here, when its KV is ready to ship at ``ready_s``
         (from now) and takes ``ship_s``: wait for room, ship, one decode step."""
-        return max(ready_s, self.kv_wait_s) + ship_s + self.tbt_s
+        wait = self.kv_wait_s
+        return (wait if wait > ready_s else ready_s) + ship_s + self.tbt_s  # max(): no builtin call per candidate
 
 
 class TermBook:

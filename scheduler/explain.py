@@ -3,16 +3,14 @@
 A record is a JSON-ready dict built at decision time. Candidates are a table, not one dict
 each: ``record["prefill"] = {"columns": PREFILL_COLUMNS, "rows": [tuple, ...]}`` (and the same
 for ``"decode"``). The rows are built the first time anything reads the table (a
-:class:`LazyTable`, from columns taken at decision time): a decision keeps ten tuples per side
-instead of a tuple per candidate, which the garbage collector would walk once each (at 64P+64D,
+:class:`LazyTable`, from columns taken at decision time): a decision keeps a tuple per column
+instead of one per candidate, which the garbage collector would walk once each (at 64P+64D,
 one collection every ~30 decisions spent ~0.6 ms on them, the decision p99).
 ``candidates(record, "prefill")`` gives them back as dicts; ``format_lines`` renders the record
 the Dynamo way, one line per candidate with every term.
 """
 from __future__ import annotations
 
-from array import array
-from operator import attrgetter
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from scheduler.cost import DecodeCandidate, PrefillCandidate, Terms
@@ -47,13 +45,14 @@ class LazyTable(dict[str, Any]):
     """``{"columns": ..., "rows": [...]}`` whose rows are built from columns the first time the
     table is read: every way of reading a dict (items, values, ``[]``, ``get``, iteration,
     ``dict(t)``, ``{**t}``, ``json.dumps``, ``==``, ``repr``, copy and pickle) sees the built rows.
-    The columns are numbers packed in bytes, and shared tuples of names; what else they hold
+    A column is one tuple (of numbers: untracked by the garbage collector after its first pass;
+    of names: shared by every decision over the same candidates); what the columns refer to
     (the policy's terms per candidate) is never mutated after the decision."""
 
     __slots__ = ("_make", "_cols")
 
     def __init__(self, columns: tuple[str, ...], make: Callable[..., list[Any]],
-                 cols: tuple[tuple[Any, ...] | bytes, ...]):
+                 cols: tuple[Sequence[Any], ...]):
         super().__init__(columns=columns, rows=None)
         self._make: Callable[..., list[Any]] | None = make
         self._cols = cols
@@ -62,7 +61,7 @@ class LazyTable(dict[str, Any]):
         make = self._make
         if make is not None:
             self._make = None
-            dict.__setitem__(self, "rows", make(*map(_unpacked, self._cols)))
+            dict.__setitem__(self, "rows", make(*self._cols))
             self._cols = ()
         return self
 
@@ -126,11 +125,6 @@ class LazyTable(dict[str, Any]):
         return dict.setdefault(self._built(), key, default)
 
 
-_PREFILL_COLS = attrgetter("id", "role", "queue_s", "state", "local")
-_DECODE_COLS = attrgetter("id", "role", "tbt_s", "state")
-_QUEUED = attrgetter("queued_tokens", "queued_requests")
-_HELD = attrgetter("running", "kv_tokens")
-_FLOAT, _INT = {float}, {int}
 _names: dict[tuple[str, ...], tuple[str, ...]] = {}  # candidate ids and roles, one tuple per distinct list
 
 
@@ -141,34 +135,16 @@ def _shared(names: tuple[str, ...]) -> tuple[str, ...]:
     return _names.setdefault(names, names)
 
 
-def _packed(col: tuple[Any, ...]) -> tuple[Any, ...] | bytes:
-    """A column of floats or of ints as bytes (exact, and never walked by the garbage collector:
-    an ``array`` is); anything else (None, another type) stays the tuple it was."""
-    kinds = {*map(type, col)}
-    code = "d" if kinds == _FLOAT else "q" if kinds == _INT else None
-    if code is not None:
-        try:
-            return code.encode() + array(code, col).tobytes()
-        except OverflowError:
-            pass
-    return col
-
-
-def _unpacked(col: tuple[Any, ...] | bytes) -> Sequence[Any]:
-    return array(chr(col[0]), col[1:]) if isinstance(col, bytes) else col
-
-
 def prefill_table(cands: Sequence[PrefillCandidate], rows: dict[str, Terms], scores: dict[str, float]) -> LazyTable:
     """The prefill candidates' table: each served the way the policy evaluated it (``rows``, else
     the engine-default way), with the policy's score (None where it gave none)."""
-    if not cands:
-        return LazyTable(PREFILL_COLUMNS, _prefill_rows, ((),) * 7)
-    ids, roles, queue_s, states, local = zip(*map(_PREFILL_COLS, cands), strict=True)
+    ids = tuple([c.id for c in cands])
+    local = tuple([c.local for c in cands])
     terms = tuple(map(rows.get, ids, local)) if rows else local  # few distinct objects, each kept as it is
-    queued_tokens, queued_requests = zip(*map(_QUEUED, states), strict=True)
     return LazyTable(PREFILL_COLUMNS, _prefill_rows,
-                     (_shared(ids), _shared(roles), terms, _packed(queue_s), _packed(queued_tokens),
-                      _packed(queued_requests), _packed(tuple(map(scores.get, ids)))))
+                     (_shared(ids), _shared(tuple([c.role for c in cands])), terms, tuple([c.queue_s for c in cands]),
+                      tuple([c.state.queued_tokens for c in cands]), tuple([c.state.queued_requests for c in cands]),
+                      tuple(map(scores.get, ids))))
 
 
 def _prefill_rows(ids: Iterable[str], roles: Iterable[str], terms: Iterable[Terms], queue_s: Iterable[float],
@@ -182,13 +158,11 @@ def _prefill_rows(ids: Iterable[str], roles: Iterable[str], terms: Iterable[Term
 
 def decode_table(cands: Sequence[DecodeCandidate], scores: dict[str, float]) -> LazyTable:
     """The decode candidates' table: each with this request added, and the policy's score."""
-    if not cands:
-        return LazyTable(DECODE_COLUMNS, _decode_rows, ((),) * 6)
-    ids, roles, tbt_s, states = zip(*map(_DECODE_COLS, cands), strict=True)
-    running, kv_tokens = zip(*map(_HELD, states), strict=True)
+    ids = tuple([d.id for d in cands])
     return LazyTable(DECODE_COLUMNS, _decode_rows,
-                     (_shared(ids), _shared(roles), _packed(running), _packed(kv_tokens), _packed(tbt_s),
-                      _packed(tuple(map(scores.get, ids)))))
+                     (_shared(ids), _shared(tuple([d.role for d in cands])), tuple([d.state.running for d in cands]),
+                      tuple([d.state.kv_tokens for d in cands]), tuple([d.tbt_s for d in cands]),
+                      tuple(map(scores.get, ids))))
 
 
 def _decode_rows(*cols: Iterable[Any]) -> list[DecodeRow]:

@@ -13,9 +13,12 @@ and an observation older than ``observe_ttl_s`` is ignored.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from predictors.base import DecodeState, PrefillState
+
+_prefill_state = tuple.__new__  # a PrefillState built in C (its generated __new__ is a Python call)
 
 
 @dataclass(slots=True)
@@ -166,39 +169,69 @@ class Ledger:
         return self.prefill_view(instance_id, now)[0]
 
     def prefill_view(self, instance_id: str, now: float) -> tuple[PrefillState, int]:
-        """``prefill_state`` and the active request count in one lookup (the decision's hot loop)."""
-        p = self._loads.get(instance_id)
-        if p is None:
-            return PrefillState(instance_id), 0
-        if not p.pending and p.observed is None:  # the common idle case, no arithmetic
-            return p.idle_prefill, p.active
-        queued_s = p.queued_s
-        requests = len(p.pending)
-        if p.pending:
-            head_s = next(iter(p.pending.values()))
-            queued_s -= min(max(0.0, now - p.head_since_s), head_s)
-        o = p.observed
-        if o is not None and now - o.at_s <= self.observe_ttl_s:
-            unseen = o.waiting - requests  # queued in the engine but not placed by us
-            if unseen > 0:
-                queued_s += unseen * p.typical_prefill_s
-        return PrefillState(instance_id, p.queued_tokens, max(0.0, queued_s), requests), p.active
+        """``prefill_state`` and the active request count in one lookup."""
+        states, active = self.prefill_views((instance_id,), now)
+        return states[0], active[0]
+
+    def prefill_views(self, instance_ids: Iterable[str], now: float) -> tuple[list[PrefillState], list[int]]:
+        """``prefill_view`` of many instances in one call (the decision's hot loop: no call, no
+        ``min``/``max`` builtin per candidate)."""
+        loads, ttl = self._loads, self.observe_ttl_s
+        states: list[PrefillState] = []
+        actives: list[int] = []
+        for instance_id in instance_ids:
+            p = loads.get(instance_id)
+            if p is None:
+                states.append(PrefillState(instance_id))
+                actives.append(0)
+                continue
+            pending, o = p.pending, p.observed
+            if not pending and o is None:  # the common idle case, no arithmetic
+                states.append(p.idle_prefill)
+                actives.append(p.active)
+                continue
+            queued_s = p.queued_s
+            requests = len(pending)
+            if pending:  # the head's elapsed time, up to its prediction, is already done
+                head_s = next(iter(pending.values()))
+                elapsed = now - p.head_since_s
+                elapsed = elapsed if elapsed > 0.0 else 0.0
+                queued_s -= head_s if head_s < elapsed else elapsed
+            if o is not None and now - o.at_s <= ttl:
+                unseen = o.waiting - requests  # queued in the engine but not placed by us
+                if unseen > 0:
+                    queued_s += unseen * p.typical_prefill_s
+            states.append(_prefill_state(PrefillState, (instance_id, p.queued_tokens,
+                                                        queued_s if queued_s > 0.0 else 0.0, requests)))
+            actives.append(p.active)
+        return states, actives
 
     def decode_state(self, instance_id: str, now: float) -> DecodeState:
         """Running sequences and KV tokens: the larger of our reservations and observed metrics."""
-        d = self._loads.get(instance_id)
-        if d is None:
-            return DecodeState(instance_id)
-        o = d.observed
-        if o is None:
-            if d.decode_now is None:
-                d.decode_now = DecodeState(instance_id, d.running, d.kv_tokens)
-            return d.decode_now
-        running, kv = d.running, d.kv_tokens
-        if o is not None and now - o.at_s <= self.observe_ttl_s:
-            running = max(running, o.running)
-            kv = max(kv, int(o.kv_usage * d.kv_capacity_tokens))
-        return DecodeState(instance_id, running, kv)
+        return self.decode_states((instance_id,), now)[0]
+
+    def decode_states(self, instance_ids: Iterable[str], now: float) -> list[DecodeState]:
+        """``decode_state`` of many instances in one call (a reserved view is kept until it changes)."""
+        loads, ttl = self._loads, self.observe_ttl_s
+        out: list[DecodeState] = []
+        for instance_id in instance_ids:
+            d = loads.get(instance_id)
+            if d is None:
+                out.append(DecodeState(instance_id))
+                continue
+            o = d.observed
+            if o is None:
+                s = d.decode_now
+                if s is None:
+                    s = d.decode_now = DecodeState(instance_id, d.running, d.kv_tokens)
+                out.append(s)
+                continue
+            running, kv = d.running, d.kv_tokens
+            if now - o.at_s <= ttl:
+                running = max(running, o.running)
+                kv = max(kv, int(o.kv_usage * d.kv_capacity_tokens))
+            out.append(DecodeState(instance_id, running, kv))
+        return out
 
     def decode_state_at(self, instance_id: str, t: float, now: float) -> DecodeState:
         """Predicted decode load at time ``t`` (Mooncake §7.4): those decoding at t, not the rest.
@@ -264,6 +297,18 @@ class Ledger:
             if a + b * t + need_tokens <= cap:
                 return max(0.0, t - now)
         return max(0.0, ends[-1] - now)
+
+    def decode_kv_waits(self, instance_ids: Iterable[str], need_tokens: int, t0: float, now: float) -> list[float]:
+        """``decode_kv_wait`` of many instances in one call: 0 at once where the KV fits now."""
+        loads = self._loads
+        out: list[float] = []
+        for instance_id in instance_ids:
+            d = loads.get(instance_id)
+            if d is None or d.kv_capacity_tokens <= 0 or d.kv_tokens + need_tokens <= d.kv_capacity_tokens:
+                out.append(0.0)
+            else:
+                out.append(self.decode_kv_wait(instance_id, need_tokens, t0, now))
+        return out
 
     def decode_departures(self, instance_id: str) -> list[Reservation]:
         """Reservations decoding on an instance, soonest predicted end first (for retry-after)."""

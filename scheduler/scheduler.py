@@ -453,11 +453,12 @@ class Scheduler:
         book = ctx.terms = TermBook(ctx.facts.prompt_tokens, self.block_size, ctx.store_blocks, pred)
         queue_time, group = pred.queue.queue_time, self._group
         dev, loc = match.device, match.local
-        prefill = ctx.prefill
-        for i in ctx.prefill_pool:
-            state, active = ledger.prefill_view(i.id, now)
-            c = PrefillCandidate(i.id, i.role, dev.get(i.id, 0), loc.get(i.id, 0), state, queue_time(state),
-                                 active, group[i.id])
+        prefill, pool = ctx.prefill, ctx.prefill_pool
+        states, actives = ledger.prefill_views([i.id for i in pool], now)
+        for i, state, active in zip(pool, states, actives, strict=True):
+            iid = i.id
+            c = PrefillCandidate(iid, i.role, dev.get(iid, 0), loc.get(iid, 0), state, queue_time(state), active,
+                                 group[iid])
             c.local = book.local(c)
             prefill.append(c)
         ctx.decode = self._decode_candidates(ctx.decode_pool, ctx.facts, now, None)
@@ -488,10 +489,10 @@ class Scheduler:
         """Each decode candidate's wait for room for this request's KV (prompt + a block), from
         when the prefill would be done (a colocated instance prefills into its own memory)."""
         need = ctx.facts.prompt_tokens + self.block_size
-        wait = self.ledger.decode_kv_wait
-        for d in ctx.decode:
-            if d.role != Role.BOTH:
-                d.kv_wait_s = wait(d.id, need, ready_at, ctx.now)
+        shipped = [d for d in ctx.decode if d.role != Role.BOTH]
+        for d, wait in zip(shipped, self.ledger.decode_kv_waits([d.id for d in shipped], need, ready_at, ctx.now),
+                           strict=True):
+            d.kv_wait_s = wait
 
     # --- stage 4b: overload admission by cost (scheduler/overload.py) -----------------------
     def _overload(self, ctx: DecisionContext, ch: _Choice, commit: bool) -> None:
@@ -571,11 +572,9 @@ class Scheduler:
         """Decode candidates with their TBT once this request joins: now, or predicted at ``at``."""
         ledger, tbt = self.ledger, self.predictors.tbt.tbt
         prompt, max_tokens = facts.prompt_tokens, facts.max_tokens
-        out = []
-        for i in pool:
-            state = ledger.decode_state(i.id, now) if at is None else ledger.decode_state_at(i.id, at, now)
-            out.append(DecodeCandidate(i.id, i.role, state, tbt(state, prompt, max_tokens)))
-        return out
+        states = ledger.decode_states([i.id for i in pool], now) if at is None else [
+            ledger.decode_state_at(i.id, at, now) for i in pool]
+        return [DecodeCandidate(i.id, i.role, s, tbt(s, prompt, max_tokens)) for i, s in zip(pool, states, strict=True)]
 
     def _headroom(self, facts: RequestFacts) -> float:
         cls = getattr(facts, "priority", None)
