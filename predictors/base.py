@@ -10,7 +10,7 @@ deployment) fit behind the same call.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Hashable, NamedTuple, Protocol, runtime_checkable
+from typing import Callable, Hashable, Mapping, NamedTuple, Protocol, runtime_checkable
 
 from predictors.facts import Deployment
 from predictors.telemetry import RequestRecord
@@ -69,6 +69,10 @@ class Predictors:
     (same inputs, same answer: e.g. one public deployment), so a decision computes those terms
     once per group; None treats every instance as its own group.
 
+    ``groups`` (optional) is the bundle's live view of ``group``, for groups that move (e.g. with
+    an online correction): kept current for every instance ``group`` was asked about, read by the
+    scheduler at every decision; without it, what ``group`` answered at registration holds.
+
     ``register`` / ``unregister`` (optional) tell the bundle which instances exist: the scheduler
     calls ``register(instance, deployment, kv_capacity_tokens)`` when an instance joins (and again
     when its capacity is learned from the engine) and ``unregister(instance)`` when it leaves, so
@@ -82,6 +86,7 @@ class Predictors:
     group: Callable[[str], Hashable] | None = None
     register: Callable[[str, Deployment, int], None] | None = None
     unregister: Callable[[str], None] | None = None
+    groups: Mapping[str, Hashable] | None = None
 
     def observe(self, record: RequestRecord) -> None:
         """A request finished: hand its record to each term predictor that learns from outcomes

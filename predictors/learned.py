@@ -345,34 +345,8 @@ def _compile(models: LearnedModels, key: int, r: Roofline, ts: float, group: str
         load("store", Tier.STORE), load("host", Tier.HOST))
 
 
-#: Resolution of the served prefill correction (0.5%): see :class:`_PrefillGroup`.
+#: Resolution of the served prefill correction (0.5%): see :meth:`LearnedBundle.group`.
 FACTOR_STEPS = 200
-
-
-class _PrefillGroup:
-    """A predictor group for a decision's memo (scheduler/cost.py's ``TermBook``): instances of one
-    deployment whose prefill corrections are in the same step answer alike. One per instance,
-    held by the scheduler; the bundle sets its key whenever that instance's answers may change
-    (a correction, a reload, a registration), so a decision's hashing is an attribute read."""
-
-    __slots__ = ("instance", "_k", "_h")
-
-    def __init__(self, instance: str, key: tuple[int, int]):
-        self.instance = instance
-        self.set(key)
-
-    def set(self, key: tuple[int, int]) -> None:
-        self._k = key
-        self._h = hash(key)
-
-    def __hash__(self) -> int:
-        return self._h
-
-    def __eq__(self, other: object) -> bool:
-        return type(other) is _PrefillGroup and self._k == other._k
-
-    def __repr__(self) -> str:
-        return f"_PrefillGroup({self.instance!r}, {self._k})"
 
 
 class LearnedBundle:
@@ -400,7 +374,11 @@ class LearnedBundle:
         self._memo: dict[tuple[Hashable, ...], float] = {}
         self._warned: set[tuple[str, str]] = set()
         self.reloads = 0
-        self._groups: dict[str, _PrefillGroup] = {}  # handed to the scheduler, kept current here
+        # each instance's predictor group, kept current here whenever its answers may change (a
+        # correction, a reload, a registration): the scheduler reads it at every decision
+        # (Predictors.groups), one shared tuple per distinct group (hashed and compared in C)
+        self.groups: dict[str, tuple[int, int]] = {}
+        self._interned: dict[tuple[int, int], tuple[int, int]] = {}
 
     # --- models --------------------------------------------------------------------------
     def swap(self, models: LearnedModels, source: str) -> None:
@@ -450,24 +428,28 @@ class LearnedBundle:
     def unregister(self, instance: str) -> None:
         self.book.remove(instance)
         self._inst.pop(instance, None)
-        self._groups.pop(instance, None)
+        self.groups.pop(instance, None)
 
-    def group(self, instance: str) -> _PrefillGroup:
-        """The instance's predictor group (one object per instance, its key kept current)."""
-        g = self._groups.get(instance)
+    def group(self, instance: str) -> tuple[int, int]:
+        """The instance's predictor group for a decision's memo (scheduler/cost.py's ``TermBook``):
+        instances of one deployment whose prefill corrections are in the same step answer alike.
+        From the first call on, :attr:`groups` holds it, kept current."""
+        g = self.groups.get(instance)
         if g is None:
-            g = self._groups[instance] = _PrefillGroup(instance, self._group_key(instance))
+            g = self.groups[instance] = self._group_key(instance)
         return g
 
     def _group_key(self, instance: str) -> tuple[int, int]:
-        return self._compiled(instance).key, self.prefill_step(instance)
+        key = (self._compiled(instance).key, self.prefill_step(instance))
+        if len(self._interned) >= 4096:
+            self._interned.clear()
+        return self._interned.setdefault(key, key)
 
     def _regroup(self, instance: str | None = None) -> None:
         """Refresh the group of ``instance`` (None: every instance) after its answers may have changed."""
-        for i in (self._groups if instance is None else (instance,)):
-            g = self._groups.get(i)
-            if g is not None:
-                g.set(self._group_key(i))
+        for i in (list(self.groups) if instance is None else (instance,)):
+            if i in self.groups:
+                self.groups[i] = self._group_key(i)
 
     def _compiled(self, instance: str) -> _Compiled:
         c = self._inst.get(instance)
@@ -698,6 +680,6 @@ def learned_predictors(model_dir: str | None = None, *, models: LearnedModels | 
     # online: instances alike in deployment and prefill correction share a group (computed once per decision)
     group: Callable[[str], Hashable] = b.group if online else (lambda i: book.keyed(i)[0])
     p = LearnedPredictors(queue=AnalyticQueue(), prefill=b, transfer=b, tbt=b, group=group, register=b.register,
-                          unregister=b.unregister, bundle=b, watch=model_dir)
+                          unregister=b.unregister, groups=b.groups if online else None, bundle=b, watch=model_dir)
     p._seen = None if model_dir is None else _mtime(model_dir)
     return p

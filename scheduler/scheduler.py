@@ -451,7 +451,7 @@ class Scheduler:
         pred, ledger, now, match = self.predictors, self.ledger, ctx.now, ctx.match
         assert match is not None, "the cache-facts stage runs first"
         book = ctx.terms = TermBook(ctx.facts.prompt_tokens, self.block_size, ctx.store_blocks, pred)
-        queue_time, group = pred.queue.queue_time, self._group
+        queue_time, group = pred.queue.queue_time, self._group if pred.groups is None else pred.groups
         dev, loc = match.device, match.local
         prefill, pool = ctx.prefill, ctx.prefill_pool
         states, actives = ledger.prefill_views([i.id for i in pool], now)

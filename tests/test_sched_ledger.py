@@ -74,6 +74,20 @@ class LedgerMachine(RuleBasedStateMachine):
             assert t["active_requests"] == len(touching)
             assert self.ledger.prefill_state(i, self.now).queued_requests == len(pending)
 
+    @invariant()
+    def views_in_one_call_follow_every_change(self):
+        """The batched views (the decision's hot loop) equal the single ones and the live
+        reservations: a decode view cached since the last change is never served stale."""
+        states = self.ledger.decode_states(INSTANCES, self.now)
+        pstates, actives = self.ledger.prefill_views(INSTANCES, self.now)
+        for i, s, ps, a in zip(INSTANCES, states, pstates, actives, strict=True):
+            decoding = [r for r in self.live.values() if r.decode == i]
+            assert (s.running, s.kv_tokens) == (len(decoding), sum(r.kv_tokens for r in decoding))
+            assert s == self.ledger.decode_state(i, self.now)
+            assert (ps, a) == self.ledger.prefill_view(i, self.now) and type(ps) is type(self.ledger.prefill_state(i, 0))
+            pending = [r for r in self.live.values() if r.prefill == i and r.prefill_pending]
+            assert ps.queued_tokens == sum(r.prefill_tokens for r in pending) and ps.queued_requests == len(pending)
+
     def teardown(self):
         for rid in list(self.live):
             assert self.ledger.release(rid, self.now)
