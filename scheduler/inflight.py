@@ -16,20 +16,19 @@ from __future__ import annotations
 class InflightPrefixes:
     """Block hashes placed on prefill instances and not yet confirmed; pure, clock passed in.
 
-    Each registered request's blocks are one dict of its block hashes (ints only: a dict the
-    garbage collector does not track, where a frozenset of a few hundred ints would be walked
-    at every collection), filed under its first block's hash and its instance. A block hash
-    names its whole prefix (chained), so only registrations starting with a prompt's first
-    block can hold any of it: a lookup reads that one entry, not every instance's registrations.
-    Registering and dropping cost one dict build and a few dict operations (this runs on every
-    placement).
+    Each registered request's blocks are one tuple of its block hashes, filed under its first
+    block's hash and its instance. A block hash names its whole prefix (chained): only
+    registrations starting with a prompt's first block can hold any of it (a lookup reads that
+    one entry, not every instance's registrations), and one holds the prompt's block k exactly
+    when its own block k has the same hash (a position compare, no set of hashes to build:
+    registering costs a tuple and a few dict operations, on every placement).
     """
 
     def __init__(self, grace_s: float = 1.0):
         self.grace_s = grace_s
         self._where: dict[str, tuple[int, str]] = {}  # request id -> (its first block hash, instance)
         # first block hash -> instance -> request id -> its blocks
-        self._by_first: dict[int, dict[str, dict[str, dict[int, None]]]] = {}
+        self._by_first: dict[int, dict[str, dict[str, tuple[int, ...]]]] = {}
         self._done: dict[str, float] = {}  # request id -> when its registration lapses (prefill done)
 
     def __len__(self) -> int:
@@ -40,7 +39,7 @@ class InflightPrefixes:
             return
         first = hashes[0]
         self._where[request_id] = (first, instance)
-        self._by_first.setdefault(first, {}).setdefault(instance, {})[request_id] = dict.fromkeys(hashes)
+        self._by_first.setdefault(first, {}).setdefault(instance, {})[request_id] = tuple(hashes)
 
     def prefill_done(self, request_id: str, now: float) -> None:
         """The prefill finished: the KV events follow; keep the entry ``grace_s`` longer."""
@@ -81,12 +80,12 @@ class InflightPrefixes:
             return {}
         out: dict[str, int] = {}
         for inst, by_request in by_instance.items():
-            sets = list(by_request.values())
+            chains = list(by_request.values())
             lo, hi = 1, n  # blocks [0, lo) registered; the answer is in [lo, hi]
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                h = hashes[mid - 1]
-                if any(h in s for s in sets):
+                k, h = mid - 1, hashes[mid - 1]
+                if any(len(c) > k and c[k] == h for c in chains):
                     lo = mid
                 else:
                     hi = mid - 1
