@@ -3,6 +3,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
+from predictors.base import PrefillState
 from scheduler.ledger import Ledger, Reservation
 
 INSTANCES = ("p0", "p1", "d0", "both")
@@ -84,7 +85,7 @@ class LedgerMachine(RuleBasedStateMachine):
             decoding = [r for r in self.live.values() if r.decode == i]
             assert (s.running, s.kv_tokens) == (len(decoding), sum(r.kv_tokens for r in decoding))
             assert s == self.ledger.decode_state(i, self.now)
-            assert (ps, a) == self.ledger.prefill_view(i, self.now) and type(ps) is type(self.ledger.prefill_state(i, 0))
+            assert (ps, a) == self.ledger.prefill_view(i, self.now) and type(ps) is PrefillState
             pending = [r for r in self.live.values() if r.prefill == i and r.prefill_pending]
             assert ps.queued_tokens == sum(r.prefill_tokens for r in pending) and ps.queued_requests == len(pending)
 
