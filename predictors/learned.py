@@ -447,10 +447,11 @@ class LearnedBundle:
         self.reloads = 0
         self._groups: dict[str, _PrefillGroup] = {}  # handed to the scheduler, kept current here
         self.decode_cluster = 0.0  # the cluster's decode load the scheduler set for this decision
+        self._share_of, self._share = 1, 0.0  # slowest_share for the last max_tokens asked
 
     def set_decode_load(self, running_per_instance: float) -> None:
         """The scheduler's hook, once per decision: reservations per eligible decode instance."""
-        self.decode_cluster = running_per_instance
+        self.decode_cluster = running_per_instance if running_per_instance > 0 else 0.0
 
     # --- models --------------------------------------------------------------------------
     def swap(self, models: LearnedModels, source: str) -> None:
@@ -559,14 +560,10 @@ class LearnedBundle:
             return None
         kv = (state.kv_tokens if state.kv_tokens > 0 else 0) + (prompt_tokens if prompt_tokens > 0 else 0) + (
             max_tokens if max_tokens > 1 else 1)
-        t = k[0] + k[1] * kv + k[2] * ((state.running if state.running > 0 else 0) + 1)
-        if k[3]:
-            t += k[3] * slowest_share(max_tokens - 1 if max_tokens > 1 else 0)
-        if k[4]:
-            load = self.decode_cluster if cluster is None else cluster
-            if load > 0:
-                t += k[4] * load
-        return t
+        if max_tokens != self._share_of:  # every candidate of a decision asks with the same max_tokens
+            self._share_of, self._share = max_tokens, slowest_share(max_tokens - 1 if max_tokens > 1 else 0)
+        return (k[0] + k[1] * kv + k[2] * ((state.running if state.running > 0 else 0) + 1) + k[3] * self._share
+                + k[4] * (self.decode_cluster if cluster is None else cluster))
 
     def transfer_base(self, tokens: int, source: str, destination: str) -> float | None:
         c = self._compiled(destination)
@@ -596,9 +593,13 @@ class LearnedBundle:
         return round(self.ewma["prefill"].factor.get(instance, 1.0) * FACTOR_STEPS)
 
     def tbt(self, state: DecodeState, prompt_tokens: int, max_tokens: int) -> float:
-        return self._tbt(state, prompt_tokens, max_tokens, None)
+        t = self.tbt_base(state, prompt_tokens, max_tokens)
+        if t is None:
+            return self._fallback_tbt.tbt(state, prompt_tokens, max_tokens)
+        return t * self.ewma["tbt"].factor.get(self._compiled(state.instance).group_key, 1.0) if self.online else t
 
     def _tbt(self, state: DecodeState, prompt_tokens: int, max_tokens: int, cluster: float | None) -> float:
+        """:meth:`tbt` for a record: with the cluster's decode load it was decided with."""
         t = self.tbt_base(state, prompt_tokens, max_tokens, cluster)
         if t is None:
             return self._fallback_tbt.tbt(state, prompt_tokens, max_tokens)
