@@ -42,7 +42,7 @@ PAGE = "goodput-curves"
 # loads of overload-admission.md in the middle, one lighter and one heavier
 LOADS: dict[str, dict[float, list[float]]] = {
     "conversation": {5.0: [3.0, 5.0, 8.0], 30.0: [8.0, 12.0, 16.0]},
-    "azure_code": {5.0: [4.0, 8.0, 12.0], 30.0: [16.0, 24.0, 32.0]},
+    "azure_code": {5.0: [4.0, 8.0, 12.0], 30.0: [16.0, 24.0, 36.0]},
     "synthetic": {5.0: [0.67, 1.0, 1.33], 30.0: [1.5, 2.5, 3.5]},
 }
 # the strongest other policies of overload-admission.md / baselines-gap.md on each workload (best
@@ -60,7 +60,17 @@ TRAIN_LOADS: dict[str, list[float]] = {"conversation": [0.5, 1.0, 3.0, 5.0], "az
 # conductor settings tried on the training slices: (affinity_margin_s, affinity_margin_rel, work_weight)
 GRID: list[tuple[float, float, float]] = [(0.0, 0.0, 1.0), (0.1, 0.0, 1.0), (0.0, 0.0, 4.0), (0.1, 0.0, 4.0)]
 DEFAULT = GRID[0]
-AFFINITY = "conductor (tuned)"
+NEAR_TIE = GRID[1]  # line A of issue 15: measured on the evaluation slice whether or not tuning picks it
+AFFINITY = "conductor (affinity 0.1 s)"
+TUNED = "conductor (tuned)"
+
+
+def variants(tuned: tuple[float, float, float]) -> dict[str, tuple[float, float, float]]:
+    """Conductor settings run beside the shipped one on the evaluation slice."""
+    out = {AFFINITY: NEAR_TIE}
+    if tuned not in (DEFAULT, NEAR_TIE):
+        out[TUNED] = tuned
+    return out
 
 DISCUSSION = """## Discussion
 
@@ -98,7 +108,12 @@ def prepare(name: str, a: argparse.Namespace) -> dict[str, Any]:
             f"(n {v['learned'].get('n')})"
             for t, v in m["holdout_metrics"].items()), file=sys.stderr, flush=True)
     tuning: dict[str, Any] = {}
-    for ttft, loads in LOADS[name].items():
+    cache = out / "tuning.json"  # reused with --reuse-models when made by the same grid on the same slice
+    key = {"grid": [list(m) for m in GRID], "loads": {f"{k:g}": v for k, v in LOADS[name].items()},
+           "train": len(train_w.requests)}
+    if a.reuse_models and cache.exists() and json.loads(cache.read_text())["key"] == key:
+        tuning = json.loads(cache.read_text())["tuning"]
+    for ttft, loads in LOADS[name].items() if not tuning else ():
         slo = SLO(ttft, a.slo_tbt_ms / 1000)
         for load in loads:
             jobs = [(train_w, spec, load, slo, str(model_dir), m) for m in GRID]
@@ -107,6 +122,7 @@ def prepare(name: str, a: argparse.Namespace) -> dict[str, Any]:
             tuning[f"{ttft:g}@{load:g}"] = row
             print(f"  tune {name} {ttft:g}s {load:g}: "
                   + ", ".join(f"{k} {v['slo_attainment']:.3f}" for k, v in row.items()), file=sys.stderr, flush=True)
+    C.save_json(cache, {"key": key, "tuning": tuning})
     return {"name": name, "spec": spec, "eval_w": eval_w, "model_dir": str(model_dir), "train": len(train_w.requests),
             "tuning": tuning, "out": out}
 
@@ -130,9 +146,9 @@ def evaluate(p: dict[str, Any], a: argparse.Namespace, margin: tuple[float, floa
         for load in loads:
             out = p["out"] / f"ttft{ttft:g}-{load:g}"
             runs = {k: v[0] for k, v in O.sweep(w, spec, policies, load, slo, mdir, {}, a.workers, out / "all").items()}
-            if margin != DEFAULT:
-                runs[AFFINITY] = O.sweep(w, spec, ["conductor"], load, slo, mdir, margin_params(margin), a.workers,
-                                         out / "affinity")["conductor"][0]
+            for label, m in variants(margin).items():
+                runs[label] = O.sweep(w, spec, ["conductor"], load, slo, mdir, margin_params(m), a.workers,
+                                      out / label.split("(")[1].rstrip(")").replace(" ", ""))["conductor"][0]
             others = {k: v for k, v in runs.items() if not k.startswith("conductor")}
             best = max(others, key=lambda k: others[k]["slo_attainment"] or 0)
             points.append({"ttft_s": ttft, "load": load, "best": best, "runs": runs})
@@ -185,7 +201,7 @@ def load_label(name: str, load: float) -> str:
 
 def render(results: list[dict[str, Any]], margin: tuple[float, float, float], a: argparse.Namespace,
            command: str) -> str:
-    aff = margin != DEFAULT
+    extra = list(variants(margin))
     rows = []
     for r in results:
         for pt in r["points"]:
@@ -195,16 +211,17 @@ def render(results: list[dict[str, Any]], margin: tuple[float, float, float], a:
                          f"{r['offered_rps_1x'] * pt['load']:.1f}", pt["best"],
                          C.pct(runs[pt["best"]]["slo_attainment"]),
                          C.pct(runs["conductor"]["slo_attainment"]), f"**{ratio(pt):.2f}x**",
-                         *([C.pct(runs[AFFINITY]["slo_attainment"]), f"{ratio(pt, AFFINITY):.2f}x"] if aff else []),
+                         *[x for k in extra for x in (C.pct(runs[k]["slo_attainment"]), f"{ratio(pt, k):.2f}x")],
                          f"{ratio(pt, 'conductor_alg1'):.2f}x",
                          C.pct(runs["conductor"]["hit_ratio"]),
-                         *([C.pct(runs[AFFINITY]["hit_ratio"])] if aff else []),
+                         *[C.pct(runs[k]["hit_ratio"]) for k in extra],
                          f"{C.pct(bh[1])} ({bh[0]})", C.pct(r["reuse_bound"]["lru_hit_ratio"])])
     summary = C.md_table(["workload", "TTFT SLO", "load", "offered req/s", "best other", "best other attainment",
                           "conductor", "conductor / best other",
-                          *(["conductor (tuned)", "tuned / best other"] if aff else []),
+                          *[x for k in extra for x in (k, f"{k.split('(')[1].rstrip(')')} / best other")],
                           "Algorithm 1 / best other", "conductor prefix hit",
-                          *(["tuned prefix hit"] if aff else []), "best other prefix hit", "reuse bound"], rows)
+                          *[f"{k.split('(')[1].rstrip(')')} prefix hit" for k in extra], "best other prefix hit",
+                          "reuse bound"], rows)
     keys = [margin_label(m) for m in GRID]
     trows = []
     for r in results:
@@ -226,8 +243,9 @@ def render(results: list[dict[str, Any]], margin: tuple[float, float, float], a:
                                           "unreachable", "late TTFT", "late TBT"], srows))
     bounds = "; ".join(f"{r['workload']} {C.pct(r['reuse_bound']['lru_hit_ratio'])} "
                        f"(unbounded {C.pct(r['reuse_bound']['infinite_hit_ratio'])})" for r in results)
-    chosen = (f"the setting tuned on the training slices ({margin_label(margin)}) beside it as "
-              "\"conductor (tuned)\"" if aff else "the shipped setting won on the training slices, so no tuned column")
+    chosen = (f"conductor with near-tie affinity (margin 0.1 s, work weight 1) beside it; the setting tuned on "
+              f"the training slices was {margin_label(margin)}"
+              + (" (column \"tuned\")" if TUNED in extra else " (no separate column)"))
     return f"""
 **Command** (regenerates this block, results.json and curves.png):
 
@@ -241,7 +259,7 @@ replaying the first {results[0]['train']} requests of each trace, the synthetic 
 {'; '.join(f"{k} {', '.join(f'{x:g}' for x in v)}" for k, v in TRAIN_LOADS.items())}x), evaluated on the next
 {results[0]['eval']} (seed 0) at each
 load. Conductor as shipped (no cost admission), {chosen}. "Best other" = the best at that load among
-Algorithm 1's baselines run here (the strongest of overload-admission.md per workload:
+the baselines run here (the strongest of overload-admission.md per workload:
 {'; '.join(f"{k}: {', '.join(v)}" for k, v in BASELINES.items())}). Goodput ratios at equal offered load =
 ratios of SLO attainment (requests meeting both SLOs / requests sent). Prefix hit = cached / prompt tokens
 of completed requests; reuse bound = one global LRU of the prefill instances' KV over the slice:
@@ -277,7 +295,7 @@ def main() -> None:
     else:
         prepared = [prepare(n, a) for n in a.workloads.split(",")]
         margin = choose(prepared)
-        print(f"tuned on the training slices: margin {margin_label(margin)}", file=sys.stderr, flush=True)
+        print(f"tuned on the training slices: {margin_label(margin)}", file=sys.stderr, flush=True)
         if a.tune_only:
             return
         results, command = [evaluate(x, a, margin) for x in prepared], C.command_line()
@@ -285,7 +303,7 @@ def main() -> None:
                 {"command": command, "profile": B.PROFILE, "prefill": a.prefill, "decode": a.decode,
                  "slo_tbt_ms": a.slo_tbt_ms, "margin": list(margin), "results": results,
                  "ratios": [{"workload": r["workload"], "ttft_s": pt["ttft_s"], "load": pt["load"], "best": pt["best"],
-                             "conductor": ratio(pt), "affinity": ratio(pt, AFFINITY)}
+                             "conductor": ratio(pt), **{k: ratio(pt, k) for k in variants(margin)}}
                             for r in results for pt in r["points"]]})
     plot(results, C.DOCS / PAGE / "curves.png")
     C.write_doc(C.DOCS / f"{PAGE}.md", "Goodput curves over load: conductor against the strongest baselines",
