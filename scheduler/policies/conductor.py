@@ -21,7 +21,10 @@ replicate. The decode instance balances load: the lowest predicted TBT once this
   the KV, shipment, first step): balancing TBT alone sends requests to instances whose KV is
   full, where they wait after their prefill;
 * overload admission by cost (``cost_admission=on``, opt-in, scheduler/overload.py): past the
-  prefill capacity, the cheapest prefills are admitted first (docs/experiments/overload-admission.md).
+  prefill capacity, the cheapest prefills are admitted first (docs/experiments/overload-admission.md);
+* near-tie affinity (``affinity_margin_s`` / ``affinity_margin_rel``, opt-in,
+  scheduler/policies/conductor_affinity.py): within the margin of the lowest score the holder of
+  the longest prefix wins; measured without effect (docs/experiments/goodput-curves.md).
 """
 from __future__ import annotations
 
