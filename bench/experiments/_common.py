@@ -30,6 +30,18 @@ PROFILE = "llama3-70b-a800x8"  # the paper's LLaMA3-70B on 8 x A800 per instance
 DOCS = ROOT / "docs/experiments"
 OUT = ROOT / "out/experiments"  # full outputs (requests.jsonl etc.), not committed
 BEGIN, END = "<!-- BEGIN GENERATED", "<!-- END GENERATED -->"
+#: a live gateway over its embedded cluster of simulated engines (real time, loopback only)
+GATEWAY_CONFIG = """policy = "{policy}"
+admission = {admission}
+[slo]
+ttft_ms = {ttft_ms:g}
+tbt_ms = {tbt_ms:g}
+[embedded]
+prefill = {prefill}
+decode = {decode}
+seed = 0
+store = {store}
+"""
 
 
 def load_trace(name: str, limit: int | None) -> Workload:
@@ -63,6 +75,29 @@ def sweep(base: Workload, spec: ClusterSpec, policies: list[str], *, loads: list
     if out is not None:
         write_outputs(str(out), outcome)
     return outcome
+
+
+def start_gateway(cfg_dir: Path, name: str, *, policy: str, store: bool, admission: bool, prefill: int, decode: int,
+                  ttft_ms: float, tbt_ms: float, extra: str = "") -> tuple[Any, str]:
+    """``conductor serve`` on a free loopback port with its config and log in ``cfg_dir``; returns
+    (process, URL) once it is ready. ``extra``: more top-level config lines (e.g. policy params)."""
+    from tests.servers import conductor, free_port, wait_until
+
+    cfg = cfg_dir / f"{name}.toml"
+    cfg.write_text(extra + GATEWAY_CONFIG.format(policy=policy, admission=str(admission).lower(),
+                                                 store=str(store).lower(), prefill=prefill, decode=decode,
+                                                 ttft_ms=ttft_ms, tbt_ms=tbt_ms))
+    port = free_port()
+    proc = conductor("serve", "--config", str(cfg), "--port", str(port), "--log-level", "warning",
+                     log=str(cfg_dir / f"{name}.log"))
+    url = f"http://127.0.0.1:{port}"
+    wait_until(url + "/ready", proc, timeout_s=120)
+    return proc, url
+
+
+def mean(xs: Any) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
 
 
 def md_table(headers: list[str], rows: list[list[Any]]) -> str:

@@ -27,20 +27,9 @@ from typing import Any
 import _common as C
 import requests
 
-from tests.servers import conductor, free_port, stop, wait_until  # noqa: E402
+from tests.servers import stop  # noqa: E402
 
 TRACE = "data/traces/mooncake_conversation_trace.jsonl"
-CONFIG = """policy = "{policy}"
-admission = false
-[slo]
-ttft_ms = {ttft_ms}
-tbt_ms = {tbt_ms}
-[embedded]
-prefill = {prefill}
-decode = {decode}
-seed = 0
-store = {store}
-"""
 # (pair name, [(target label, policy, store)]): the first target is loadgen's baseline (A)
 PAIRS = {
     "store": [("conductor, store on", "conductor", True), ("conductor, store off", "conductor", False)],
@@ -50,18 +39,6 @@ DISCUSSION = """## Discussion
 
 (hand-written; kept when the command regenerates the block above)
 """
-
-
-def start_gateway(cfg_dir: Path, name: str, policy: str, store: bool, a: argparse.Namespace) -> tuple[Any, str]:
-    cfg = cfg_dir / f"{name}.toml"
-    cfg.write_text(CONFIG.format(policy=policy, store=str(store).lower(), prefill=a.prefill, decode=a.decode,
-                                 ttft_ms=a.slo_ttft_ms, tbt_ms=a.slo_tbt_ms))
-    port = free_port()
-    proc = conductor("serve", "--config", str(cfg), "--port", str(port), "--log-level", "warning",
-                     log=str(cfg_dir / f"{name}.log"))
-    url = f"http://127.0.0.1:{port}"
-    wait_until(url + "/ready", proc, timeout_s=120)
-    return proc, url
 
 
 def engine_counters(url: str) -> dict[str, Any]:
@@ -85,7 +62,8 @@ def run_pair(pair: str, a: argparse.Namespace, cfg_dir: Path) -> dict[str, Any]:
     procs, urls = [], []
     try:
         for k, (_, policy, store) in enumerate(PAIRS[pair]):
-            proc, url = start_gateway(cfg_dir, f"{pair}-{k}", policy, store, a)
+            proc, url = C.start_gateway(cfg_dir, f"{pair}-{k}", policy=policy, store=store, admission=False,
+                                        prefill=a.prefill, decode=a.decode, ttft_ms=a.slo_ttft_ms, tbt_ms=a.slo_tbt_ms)
             procs.append(proc)
             urls.append(url)
         out = C.OUT / "store-live" / pair
@@ -148,9 +126,9 @@ def main() -> None:
             goodputs = [x["goodput_rps"] for x in steps]
             rows.append([f"**{label}**", "mean (spread)",
                          f"{C.pct(sum(hits) / len(hits))} ({C.pct(min(hits))}-{C.pct(max(hits))})",
-                         C.sec(mean(x["ttft_p50_s"] for x in steps)), C.sec(mean(x["ttft_p90_s"] for x in steps)),
-                         C.pct(mean(x["attainment"] for x in steps)),
-                         f"{C.sec(mean(goodputs))} ({C.sec(min(goodputs))}-{C.sec(max(goodputs))})",
+                         C.sec(C.mean(x["ttft_p50_s"] for x in steps)), C.sec(C.mean(x["ttft_p90_s"] for x in steps)),
+                         C.pct(C.mean(x["attainment"] for x in steps)),
+                         f"{C.sec(C.mean(goodputs))} ({C.sec(min(goodputs))}-{C.sec(max(goodputs))})",
                          "", ""])
             per_target[-1]["engine_hit_ratio"] = eng["vllm:prefix_cache_hits_total"] / q if q else None
         results[pair] = {"wall_s": r["wall_s"], "targets": per_target,
@@ -196,11 +174,6 @@ pair and look at the spread between repetitions.**
 """ + "\n".join(sections)
     C.write_doc(C.DOCS / "store-live.md", "The shared KV store on the live embedded cluster", gen, DISCUSSION)
     print(gen)
-
-
-def mean(xs) -> float | None:
-    v = [x for x in xs if x is not None]
-    return sum(v) / len(v) if v else None
 
 
 def store_text(st: Any) -> str:
