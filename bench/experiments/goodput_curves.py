@@ -52,11 +52,8 @@ BASELINES: dict[str, list[str]] = {
     "azure_code": ["least_loaded", "dynamo_cost", "random", "round_robin"],
     "synthetic": ["prefix_only", "sglang_cache_aware", "lmetric"],
 }
-# calibration telemetry loads: a light one first, so that enough prefills run alone on their
-# instance (calibrate scores the prefill term on lone prefills only; at the loads of
-# baselines.py's WORKLOADS alone there were ~10 of 2000 and the learned prefill term stayed off)
-TRAIN_LOADS: dict[str, list[float]] = {"conversation": [0.5, 1.0, 3.0, 5.0], "azure_code": [1.0, 4.0, 8.0],
-                                       "synthetic": [0.25, 0.5, 1.0]}
+# calibration telemetry loads (a light one first: enough lone prefills), as baselines.py's
+TRAIN_LOADS: dict[str, list[float]] = {name: loads for name, (_, loads) in B.WORKLOADS.items()}
 # conductor settings tried on the training slices: (affinity_margin_s, affinity_margin_rel, work_weight)
 GRID: list[tuple[float, float, float]] = [(0.0, 0.0, 1.0), (0.1, 0.0, 1.0), (0.0, 0.0, 4.0), (0.1, 0.0, 4.0)]
 DEFAULT = GRID[0]
