@@ -54,6 +54,9 @@ class RequestRecord:
     queue_requests: int = 0
     decode_running: int = 0  # sequences on the chosen decode instance before this one
     decode_kv_tokens: int = 0
+    # the whole cluster's decode load at decision: the ledger's reservations (decoding or about to)
+    # per eligible decode instance (what the batch this request joins tends to); None: not recorded
+    decode_cluster_running: float | None = None
     predicted_queue_s: float | None = None
     predicted_prefill_s: float | None = None
     predicted_transfer_s: float | None = None
