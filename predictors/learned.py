@@ -31,6 +31,7 @@ from typing import Any, Callable, Hashable, Sequence
 from predictors.analytic import AnalyticQueue, AnalyticTBT, AnalyticTransfer, DeploymentBook, Prior, Roofline
 from predictors.base import DecodeState, Predictors
 from predictors.facts import TIME_SCALE_SEP, Deployment
+from predictors.store_traffic import StoreTraffic
 from predictors.telemetry import RequestRecord
 from predictors.types import Tier
 
@@ -47,10 +48,15 @@ CHUNK_TOKENS = 8192
 PREFILL_FEATURES = ("step_s", "linear_s", "attn_s", "attn_ctx_s")
 TBT_FEATURES = ("step_s", "kv_read_s", "batch_s")
 TRANSFER_FEATURES = ("latency_s", "bytes_s")
+#: A store load also waits for the store's links: the part of the write-through they are busy with
+#: (predictors/store_traffic.py ``busy_s``) beyond the load's own transfer.
+STORE_FEATURES = TRANSFER_FEATURES + ("write_wait_s",)
 #: ``store`` and ``host``: loading a prefix from the shared store / the host tier before the prefill
 #: (a fixed cost per load, and the bytes over the store's public bandwidth / the host link's).
 FEATURES: dict[str, tuple[str, ...]] = {"prefill": PREFILL_FEATURES, "tbt": TBT_FEATURES, "transfer": TRANSFER_FEATURES,
-                                        "store": TRANSFER_FEATURES, "host": TRANSFER_FEATURES}
+                                        "store": STORE_FEATURES, "host": TRANSFER_FEATURES}
+#: Feature lists of earlier model files still served: their weights padded with zeros.
+LEGACY_FEATURES: dict[str, tuple[str, ...]] = {"store": TRANSFER_FEATURES}
 TERMS = tuple(FEATURES)
 
 #: A roofline at 100% efficiency and no fixed costs: the features' units.
@@ -91,12 +97,19 @@ def transfer_features(r_dst: Roofline, time_scale: float, tokens: int, bandwidth
     return [time_scale, tokens * r_dst.kv_bytes_per_token / bandwidth]
 
 
-def load_features(r: Roofline, time_scale: float, tier: str, tokens: int, loads: int = 1) -> list[float]:
+def load_features(r: Roofline, time_scale: float, tier: str, tokens: int, loads: int = 1,
+                  busy_s: float = 0.0) -> list[float]:
     """Loading ``tokens`` of prefix KV (in ``loads`` operations) onto the prefill instance from the
     shared store (at the prior's public store bandwidth, never above the NIC) or its host tier
-    (at the deployment's host link): the roofline's own transfer, as a load term's features."""
+    (at the deployment's host link): the roofline's own transfer, as a load term's features. A
+    store load adds the wait for the store's links: ``busy_s`` (how long they stay busy with
+    write-through, as the gateway predicts it) beyond the load's own transfer (a load and the
+    puts ahead of it share the link: it ends at the later of the two)."""
     bw = r.store_bytes_per_s or r.net_bytes_per_s if tier == Tier.STORE else r.host_bytes_per_s
-    return [loads * time_scale, tokens * r.kv_bytes_per_token / bw]
+    own = tokens * r.kv_bytes_per_token / bw
+    if tier != Tier.STORE:
+        return [loads * time_scale, own]
+    return [loads * time_scale, own, busy_s - own if busy_s > own else 0.0]
 
 
 def group_of(deployment: str) -> str:
@@ -234,10 +247,13 @@ def parse_models(raw: Any) -> LearnedModels:
     for t, tr in terms_raw.items():
         if not isinstance(tr, dict):
             raise ModelError(f"terms.{t}: expected an object")
-        if tr.get("features") != list(FEATURES[t]):
+        n = len(FEATURES[t])
+        legacy = LEGACY_FEATURES.get(t)
+        if legacy is not None and tr.get("features") == list(legacy):
+            tr = _padded(tr, len(legacy), n)
+        elif tr.get("features") != list(FEATURES[t]):
             raise ModelError(f"terms.{t}: features {tr.get('features')!r} are not this gateway's "
                              f"{list(FEATURES[t])} (recalibrate)")
-        n = len(FEATURES[t])
         pooled = None if tr.get("pooled") is None else _term_model(tr["pooled"], n, f"terms.{t}.pooled")
         groups_raw = tr.get("groups") or {}
         if not isinstance(groups_raw, dict):
@@ -252,6 +268,21 @@ def parse_models(raw: Any) -> LearnedModels:
         raise ModelError("calibration: expected an object")
     return LearnedModels(terms, meta if isinstance(meta, dict) else {},
                          _positive(cal.get("ttft_p90_scale", 1.0), "calibration.ttft_p90_scale"))
+
+
+def _padded(tr: dict[str, Any], have: int, n: int) -> dict[str, Any]:
+    """A term of an earlier feature list, its weights padded with zeros (the new features unused)."""
+    def pad(m: Any) -> Any:
+        if not isinstance(m, dict):
+            return m
+        out = dict(m)
+        for k in ("coef", "p90_coef"):
+            if isinstance(out.get(k), list) and len(out[k]) == have:
+                out[k] = out[k] + [0.0] * (n - have)
+        return out
+    groups = tr.get("groups")
+    return {**tr, "pooled": pad(tr.get("pooled")),
+            "groups": {g: pad(m) for g, m in groups.items()} if isinstance(groups, dict) else groups}
 
 
 def load_models(directory: str) -> LearnedModels:
@@ -316,7 +347,7 @@ class _Compiled:
     prefill: tuple[float, float, float, float] | None  # per step, per new token, per context, per context^2
     tbt: tuple[float, float, float] | None  # per step, per KV token, per sequence
     transfer: tuple[float, float] | None  # latency, bytes per token (over the bandwidth)
-    store: tuple[float, float] | None  # latency, seconds per token loaded from the store
+    store: tuple[float, float, float, float] | None  # latency, s per token (fitted, at peak), per s of link wait
     host: tuple[float, float] | None  # latency, seconds per token loaded from the host tier
 
 
@@ -333,8 +364,14 @@ def _compile(models: LearnedModels, key: int, r: Roofline, ts: float, group: str
         m = model(term)
         if m is None:
             return None
-        lat, per_token = load_features(r, ts, tier, 1)
+        lat, per_token = load_features(r, ts, tier, 1)[:2]
         return m.coef[0] * lat, m.coef[1] * per_token
+
+    def store() -> tuple[float, float, float, float] | None:
+        m, lp = model("store"), load("store", Tier.STORE)
+        if m is None or lp is None:
+            return None
+        return lp[0], lp[1], load_features(r, ts, Tier.STORE, 1)[1], m.coef[2]
     return _Compiled(
         key, group, f"group:{group}", served.net_bytes_per_s,
         None if p is None else (p.coef[0] * weights, p.coef[1] * 2.0 * r.params / r.flops_per_s, p.coef[2] * attn,
@@ -342,7 +379,7 @@ def _compile(models: LearnedModels, key: int, r: Roofline, ts: float, group: str
         None if t is None else (t.coef[0] * weights, t.coef[1] * r.kv_bytes_per_token / r.mem_bytes_per_s,
                                 t.coef[2] * 2.0 * r.params / r.flops_per_s),
         None if x is None else (x.coef[0] * ts, x.coef[1] * r.kv_bytes_per_token),
-        load("store", Tier.STORE), load("host", Tier.HOST))
+        store(), load("host", Tier.HOST))
 
 
 #: Resolution of the served prefill correction (0.5%): see :class:`_PrefillGroup`.
@@ -401,6 +438,11 @@ class LearnedBundle:
         self._warned: set[tuple[str, str]] = set()
         self.reloads = 0
         self._groups: dict[str, _PrefillGroup] = {}  # handed to the scheduler, kept current here
+        self._traffic: StoreTraffic | None = None  # the scheduler's, read by the store term
+
+    def attach_store_traffic(self, traffic: StoreTraffic) -> None:
+        """The scheduler's hook: the store traffic it advances before each decision's terms."""
+        self._traffic = traffic
 
     # --- models --------------------------------------------------------------------------
     def swap(self, models: LearnedModels, source: str) -> None:
@@ -512,7 +554,14 @@ class LearnedBundle:
     def transfer_base(self, tokens: int, source: str, destination: str) -> float | None:
         c = self._compiled(destination)
         if source == Tier.STORE or source == Tier.HOST:  # a load before the prefill (its own term)
-            k = c.store if source == Tier.STORE else c.host
+            if source == Tier.STORE:
+                s = c.store
+                if s is None:
+                    self._warn(str(source), f"no model of loads from the {source} for {c.group}")
+                    return None
+                busy, own = (self._traffic.busy_s if self._traffic is not None else 0.0), tokens * s[2]
+                return s[0] + tokens * s[1] + (s[3] * (busy - own) if busy > own else 0.0)
+            k = c.host
             if k is None:
                 self._warn(str(source), f"no model of loads from the {source} for {c.group}")
                 return None
