@@ -482,3 +482,48 @@ def test_a_term_worse_than_the_prior_held_out_is_left_to_the_prior():
     worse = _worse_than_prior({"prefill": m(200, 0.03, 0.09), "tbt": m(800, 0.05, 0.2),
                                "store_load": m(21, 0.48, 0.33), "handover": m(5, 0.9, 0.1)})
     assert set(worse) == {"store"} and "worse than the analytic prior" in worse["store"]  # 5 rows judge nothing
+
+
+def test_the_served_store_term_waits_for_the_links_the_gateway_sees_busy(tmp_path):
+    """Telemetry whose store loads waited for links busy with write-through (``store_busy_s``):
+    calibration recovers the wait's weight (TRUE["store"][2]) and serves it, reading the busy time
+    from the scheduler's StoreTraffic at decision; a load longer than the wait does not wait."""
+    from predictors.learned import load_features, physics
+    from predictors.store_traffic import StoreTraffic
+    from predictors.types import Tier
+    calibrate(synth_records(600, seed=21, store_share=0.5), str(tmp_path), draw=False)
+    assert load_models(str(tmp_path)).terms["store"].pooled.coef[2] == pytest.approx(TRUE["store"][2], rel=1e-6)
+    p = learned_predictors(str(tmp_path), online=False)
+    d = load_deployment(DEPLOYMENT)
+    p.register("p-1", d, 400_000)
+    traffic = StoreTraffic()
+    p.transfer.attach_store_traffic(traffic)
+    idle = p.transfer.transfer_time(1024, Tier.STORE, "p-1")
+    traffic.placed("other", 0.0, 1 << 30, False, 0.25, 0.25, 1000)  # a prefill on another instance ends at 0.25
+    traffic.advance(0.05)
+    busy = p.transfer.transfer_time(1024, Tier.STORE, "p-1")
+    own = load_features(physics(d), 1.0, Tier.STORE, 1024)[1]
+    assert busy - idle == pytest.approx(TRUE["store"][2] * (0.2 - own), rel=1e-6) and busy > idle
+    long_load = 400_000  # its own transfer outlasts the busy links: no wait added
+    assert load_features(physics(d), 1.0, Tier.STORE, long_load)[1] > 0.2
+    traffic.advance(0.05)
+    with_busy = p.transfer.transfer_time(long_load, Tier.STORE, "p-1")
+    traffic.done("other", 0.06)
+    traffic.advance(0.06)
+    assert p.transfer.transfer_time(long_load, Tier.STORE, "p-1") == pytest.approx(with_busy)
+
+
+def test_a_model_file_with_the_earlier_two_feature_store_term_still_serves(tmp_path):
+    from predictors.learned import TRANSFER_FEATURES
+    calibrate(synth_records(400, seed=3, store_share=0.3), str(tmp_path), draw=False)
+    raw = json.loads((tmp_path / "models.json").read_text())
+    st = raw["terms"]["store"]
+    st["features"] = list(TRANSFER_FEATURES)
+    for m in [st["pooled"], *st["groups"].values()]:
+        m["coef"] = m["coef"][:2]
+        m["p90_coef"] = None if m["p90_coef"] is None else m["p90_coef"][:2]
+    models = parse_models(raw)
+    assert models.terms["store"].pooled.coef[2] == 0.0 and len(models.terms["store"].pooled.coef) == 3
+    st["features"] = ["latency_s"]
+    with pytest.raises(ModelError, match="recalibrate"):
+        parse_models(raw)
