@@ -31,7 +31,8 @@ from loadgen.workload import bundled_trace, read_trace
 GOLDEN = Path(__file__).parent / "data" / "simulate_golden.json"
 #: RequestRecord fields added after the golden runs (more decision features, no figure moved)
 ADDED_SINCE = frozenset({"predicted_decode_wait_s", "predicted_kv_transfer_s", "predicted_first_step_s",
-                         "prefill_deployment", "decode_deployment", "transfer_from", "host_load_tokens"})
+                         "prefill_deployment", "decode_deployment", "transfer_from", "host_load_tokens",
+                         "store_write_recent_bytes", "store_busy_s", "store_loads_inflight"})
 
 
 def _trace(n: int, speedup: float = 1.0):
