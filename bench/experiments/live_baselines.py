@@ -64,13 +64,14 @@ def target_rows(policies: list[str], summary: dict[str, Any]) -> tuple[list[dict
         positions = [(k if s["step"] % 2 == 0 else n - 1 - k) + 1 for s in steps]
         per.append({"policy": policy, "attainment": att, "positions": positions, "refused": refused,
                     "hit_ratio": [s["cached_tokens"]["hit_ratio"] for s in steps],
-                    "ttft_p50_s": [s["ttft_s"]["p50"] for s in steps], "goodput_rps": [s["goodput_rps"] for s in steps]})
+                    "ttft_p50_s": [s["ttft_s"]["p50"] for s in steps],
+                    "goodput_rps": [s["goodput_rps"] for s in steps]})
     best_rival = max((p for p in per if p["policy"] != "conductor"), key=lambda p: C.mean(p["attainment"]) or 0.0)
     for p in per:
         m = C.mean(p["attainment"]) or 0.0
         ratio = m / (C.mean(best_rival["attainment"]) or 1.0) if p["policy"] == "conductor" else None
         rows.append([f"**{p['policy']}**" if p["policy"] == "conductor" else p["policy"],
-                     ", ".join(f"{C.pct(x)} ({pos})" for x, pos in zip(p["attainment"], p["positions"])),
+                     ", ".join(f"{C.pct(x)} ({pos})" for x, pos in zip(p["attainment"], p["positions"], strict=True)),
                      C.pct(m), f"{C.pct(min(p['attainment']))}-{C.pct(max(p['attainment']))}",
                      "-" if ratio is None else f"**{ratio:.2f}x** (over {best_rival['policy']})",
                      p["refused"], C.pct(C.mean(p["hit_ratio"])), C.sec(C.mean(p["ttft_p50_s"])),
