@@ -551,7 +551,8 @@ class LearnedBundle:
             max_tokens if max_tokens > 1 else 1)
         return k[0] + k[1] * kv + k[2] * ((state.running if state.running > 0 else 0) + 1)
 
-    def transfer_base(self, tokens: int, source: str, destination: str) -> float | None:
+    def transfer_base(self, tokens: int, source: str, destination: str, busy_s: float | None = None) -> float | None:
+        """``busy_s``: the store links' busy time to use (default: the attached traffic's now)."""
         c = self._compiled(destination)
         if source == Tier.STORE or source == Tier.HOST:  # a load before the prefill (its own term)
             if source == Tier.STORE:
@@ -559,7 +560,9 @@ class LearnedBundle:
                 if s is None:
                     self._warn(str(source), f"no model of loads from the {source} for {c.group}")
                     return None
-                busy, own = (self._traffic.busy_s if self._traffic is not None else 0.0), tokens * s[2]
+                if busy_s is None:
+                    busy_s = self._traffic.busy_s if self._traffic is not None else 0.0
+                busy, own = busy_s, tokens * s[2]
                 return s[0] + tokens * s[1] + (s[3] * (busy - own) if busy > own else 0.0)
             k = c.host
             if k is None:
@@ -631,7 +634,7 @@ class LearnedBundle:
             (Tier.HOST, rec.host_load_tokens) if rec.host_load_tokens and not rec.transfer_tokens else None)
         if (load is not None and p is not None and p != d and rec.queue_requests == 0
                 and rec.prefill_start_s is not None and rec.prefill_end_s is not None):
-            base = self.transfer_base(load[1], load[0], p)
+            base = self.transfer_base(load[1], load[0], p, rec.store_busy_s)  # as at its decision
             if base is not None:
                 loaded = rec.prefill_end_s - rec.prefill_start_s - self.prefill_time(p, rec.prompt_tokens,
                                                                                     rec.hit_tokens)
