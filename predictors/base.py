@@ -82,6 +82,9 @@ class Predictors:
     group: Callable[[str], Hashable] | None = None
     register: Callable[[str, Deployment, int], None] | None = None
     unregister: Callable[[str], None] | None = None
+    #: the scheduler tells the TBT predictor the cluster's decode load (reservations per eligible
+    #: decode instance) once per decision, before it asks for any TBT (optional)
+    decode_load: Callable[[float], None] | None = None
 
     def observe(self, record: RequestRecord) -> None:
         """A request finished: hand its record to each term predictor that learns from outcomes

@@ -188,7 +188,10 @@ def calibrate(records: list[RequestRecord], out: str, *, holdout: str = "time", 
             "handover": len(ds.handover), "queue": len(ds.queue)}
     say(f"{len(records)} records, {ds.used} usable; rows: " + ", ".join(f"{k} {v}" for k, v in rows.items()))
     train, held = split(ds, holdout, fraction, seed)
-    trial, missing = fit_all(ds, train, q, min_rows=min_rows, calibration="cv", seed=seed)
+    # the conformal folds are cut like the hold-out: contiguous stretches of each run when it is
+    # the latest part (the drift within a run stays inside a fold), random positions otherwise
+    folds = "blocked" if holdout == "time" else "cv"
+    trial, missing = fit_all(ds, train, q, min_rows=min_rows, calibration=folds, seed=seed)
     if not trial.terms:
         raise DataError("too little data to fit any term: " + "; ".join(f"{k}: {v}" for k, v in missing.items()))
     scored = score(trial, ds, held)
@@ -201,7 +204,7 @@ def calibrate(records: list[RequestRecord], out: str, *, holdout: str = "time", 
     if short.terms:
         ex = score(short, ds, lambda row: row.prompt_tokens > p90_prompt)
         extrapolation = {"max_prompt_tokens": p90_prompt, "metrics": metrics_of(ex)}
-    final, missing = fit_all(ds, None, q, min_rows=min_rows, calibration="cv", seed=seed)
+    final, missing = fit_all(ds, None, q, min_rows=min_rows, calibration=folds, seed=seed)
     worse = _worse_than_prior(holdout_metrics)  # a learned term that loses to the prior held out is not served
     final = LearnedModels({t: m for t, m in final.terms.items() if t not in worse}, final.meta, final.ttft_p90_scale)
     missing.update(worse)

@@ -76,6 +76,7 @@ class TBTRow:
     prompt_tokens: int
     max_tokens: int
     tbt_s: float
+    cluster_running: float = 0.0  # the cluster's decode load at decision (0: not recorded)
 
 
 @dataclass
@@ -90,6 +91,7 @@ class HandoverRow:
     kv_tokens: int
     max_tokens: int
     handover_s: float
+    cluster_running: float = 0.0
 
     @property
     def prompt_tokens(self) -> int:
@@ -265,7 +267,7 @@ def build_dataset(records: Iterable[RequestRecord], default_deployment: str | No
         mt = r.max_tokens or r.output_tokens
         if len(r.token_times) > MIN_TBT_INTERVALS:
             tbt.append(TBTRow(pos(r), ddep, r.decode_instance, r.decode_running, r.decode_kv_tokens,
-                              r.prompt_tokens, mt, r.tbt_s))
+                              r.prompt_tokens, mt, r.tbt_s, r.decode_cluster_running or 0.0))
         else:
             skip("too few tokens for a TBT")
         if r.prefill_instance == r.decode_instance:
@@ -276,7 +278,8 @@ def build_dataset(records: Iterable[RequestRecord], default_deployment: str | No
         assert r.first_token_s is not None and r.prefill_end_s is not None
         pdep = _deployment(r.prefill_deployment, default_deployment, deployments, "prefill_deployment")
         handover.append(HandoverRow(pos(r), r.prefill_instance, r.decode_instance, pdep, ddep, r.prompt_tokens,
-                                    r.decode_running, r.decode_kv_tokens, mt, r.first_token_s - r.prefill_end_s))
+                                    r.decode_running, r.decode_kv_tokens, mt, r.first_token_s - r.prefill_end_s,
+                                    r.decode_cluster_running or 0.0))
     return Dataset(prefill, tbt, handover, queue, len(recs), len(placed), skipped, deployments)
 
 

@@ -38,6 +38,9 @@ from predictors.types import Tier
 #: Rows a model needs (per group; the pooled model needs as many in all).
 MIN_ROWS = 30
 P90 = 0.9
+#: TBT's point is a relative median (the least absolute percentage error: MAPE is its target and
+#: its error is which requests join the batch later, asymmetric), not relative least squares.
+TBT_MEDIAN = True
 
 
 @dataclass
@@ -108,7 +111,8 @@ def quantile_weights(x: np.ndarray, y: np.ndarray, scale: np.ndarray, q: float) 
         reg.fit(x[idx], y[idx], sample_weight=1.0 / np.maximum(scale[idx], 1e-9))
     except ValueError:
         return None
-    coef = [float(c) for c in reg.coef_]
+    # a feature no row has (telemetry from before it was recorded) gets no weight, whatever the solver left
+    coef = [float(c) if x[idx, j].any() else 0.0 for j, c in enumerate(reg.coef_)]
     return tuple(coef) if all(np.isfinite(coef)) else None
 
 
@@ -176,8 +180,9 @@ class Physics:
                 x[k] += v
         return x
 
-    def tbt_x(self, dep: str, running: int, kv: int, prompt: int, max_tokens: int) -> list[float]:
-        return tbt_features(self.unit[dep], self.ts(dep), running, kv, prompt, max_tokens)
+    def tbt_x(self, dep: str, running: int, kv: int, prompt: int, max_tokens: int,
+              cluster: float = 0.0) -> list[float]:
+        return tbt_features(self.unit[dep], self.ts(dep), running, kv, prompt, max_tokens, cluster)
 
     def transfer_x(self, src: str, dst: str, tokens: int) -> list[float]:
         bw = min(self.d[src].net_bytes_per_s, self.d[dst].net_bytes_per_s)
@@ -231,8 +236,8 @@ def prefill_matrix(ph: Physics, rows: Sequence[PrefillRow]) -> Fitted:
 
 
 def tbt_matrix(ph: Physics, rows: Sequence[TBTRow]) -> Fitted:
-    return Fitted(np.array([ph.tbt_x(r.deployment, r.running, r.kv_tokens, r.prompt_tokens, r.max_tokens)
-                            for r in rows]).reshape(-1, len(FEATURES["tbt"])),
+    return Fitted(np.array([ph.tbt_x(r.deployment, r.running, r.kv_tokens, r.prompt_tokens, r.max_tokens,
+                                     r.cluster_running) for r in rows]).reshape(-1, len(FEATURES["tbt"])),
                   np.array([r.tbt_s for r in rows]), [group_of(r.deployment) for r in rows],
                   np.array([r.t for r in rows]))
 
@@ -261,7 +266,8 @@ def first_step(models: LearnedModels, ph: Physics, r: HandoverRow) -> float:
     tm = models.terms.get("tbt")
     if tm is None:
         return ph.analytic_tbt(r.dst_deployment, r.running, r.kv_tokens, r.tokens, r.max_tokens)
-    return predict(tm, r.dst_deployment, ph.tbt_x(r.dst_deployment, r.running, r.kv_tokens, r.tokens, r.max_tokens))[0]
+    return predict(tm, r.dst_deployment, ph.tbt_x(r.dst_deployment, r.running, r.kv_tokens, r.tokens, r.max_tokens,
+                                                  r.cluster_running))[0]
 
 
 def _fit_terms(ds: Dataset, keep: Callable[[float], bool], q: float, max_prompt: int | None, min_rows: int,
@@ -283,7 +289,7 @@ def _fit_terms(ds: Dataset, keep: Callable[[float], bool], q: float, max_prompt:
     else:
         terms["prefill"] = m
     tb = [r for r in ds.tbt if keep(r.t) and small(r.prompt_tokens)]
-    m = fit_term(tbt_matrix(ph, tb), q, min_rows, quantiles=quantiles) if tb else None
+    m = fit_term(tbt_matrix(ph, tb), q, min_rows, quantiles=quantiles, median=TBT_MEDIAN) if tb else None
     if m is None:
         missing["tbt"] = f"{len(tb)} TBT rows (need {min_rows}, each with > 8 token gaps)"
     else:
@@ -383,7 +389,8 @@ def calibration_folds(ds: Dataset, train: Callable[[float], bool], how: str, fra
     """(proper(t), cal(row)) pairs within the training rows: ``time``, the latest ``fraction`` of
     them; ``random``, a random share; ``cv``, round(1 / fraction) folds of random positions, each
     calibrating the models fitted on the others (cross-conformal: lower variance than one split,
-    which matters when the upper quantile sits close to the point)."""
+    which matters when the upper quantile sits close to the point); ``blocked`` and ``forward``,
+    the same over contiguous stretches of time (:func:`_time_blocks`)."""
     ts = sorted({r.t for r in ds.prefill} | {r.t for r in ds.tbt} | {r.t for r in ds.queue})
     ts = [t for t in ts if train(t)]
     if not ts:
@@ -391,6 +398,8 @@ def calibration_folds(ds: Dataset, train: Callable[[float], bool], how: str, fra
     if how == "time":
         cut = ts[min(len(ts) - 1, int(len(ts) * (1 - fraction)))]
         return [((lambda t: train(t) and t < cut), (lambda row: train(row.t) and row.t >= cut))]
+    if how in ("blocked", "forward"):
+        return _time_blocks(ts, train, max(2, round(1 / fraction)), how == "forward")
     rng = np.random.default_rng(seed + 1)
     k = max(2, round(1 / fraction)) if how == "cv" else 1
     fold_of = {t: int(f) for t, f in zip(ts, rng.integers(0, k, len(ts)) if how == "cv" else
@@ -402,16 +411,33 @@ def calibration_folds(ds: Dataset, train: Callable[[float], bool], how: str, fra
     return [pair(f) for f in range(k)]
 
 
+def _time_blocks(ts: Sequence[float], train: Callable[[float], bool], k: int, forward: bool
+                 ) -> list[tuple[Callable[[float], bool], Callable[[Any], bool]]]:
+    """``k`` contiguous blocks of the training positions, in time order: ``blocked``, each block
+    calibrates the models fitted on all the others (cross-conformal whose folds keep the drift
+    within a run, as a time hold-out has it); ``forward``, each block but the first calibrates
+    the models fitted on the blocks before it only (every score is a prediction of the future)."""
+    edges = [ts[min(len(ts) - 1, (len(ts) * i) // k)] for i in range(k)] + [float("inf")]
+
+    def pair(i: int) -> tuple[Callable[[float], bool], Callable[[Any], bool]]:
+        lo, hi = edges[i], edges[i + 1]
+        proper = ((lambda t: train(t) and t < lo) if forward else (lambda t: train(t) and not lo <= t < hi))
+        return proper, (lambda row: train(row.t) and lo <= row.t < hi)
+
+    return [pair(i) for i in range(1 if forward else 0, k)]
+
+
 def fit_all(ds: Dataset, train: Callable[[float], bool] | None = None, q: float = P90,
             max_prompt: int | None = None, min_rows: int = MIN_ROWS,
             quantiles: bool = True, calibration: str | None = "cv", cal_fraction: float = 0.2,
             seed: int = 0) -> tuple[LearnedModels, dict[str, str]]:
     """Fit every term on the rows ``train(t)`` keeps (and, for extrapolation checks, only prompts
     up to ``max_prompt``); returns the models and, per term left out, why. ``quantiles`` False
-    skips the quantile regressions (a point-only fit). ``calibration`` (``cv``, ``time`` or
-    ``random``; None: none) holds out training rows (see :func:`calibration_folds`), fits on the
-    rest, scales each upper quantile so that it covers ``q`` of the held-out rows (conformal), and
-    serves the models fitted on every training row with those scales (``meta["p90_calibration"]``)."""
+    skips the quantile regressions (a point-only fit). ``calibration`` (``cv``, ``blocked``,
+    ``forward``, ``time`` or ``random``; None: none) holds out training rows (see
+    :func:`calibration_folds`), fits on the rest, scales each upper quantile so that it covers
+    ``q`` of the held-out rows (conformal), and serves the models fitted on every training row
+    with those scales (``meta["p90_calibration"]``)."""
     keep = train or (lambda t: True)
     models, missing = _fit_terms(ds, keep, q, max_prompt, min_rows, quantiles)
     if not quantiles or calibration is None or not models.terms:
@@ -485,7 +511,7 @@ def score(models: LearnedModels, ds: Dataset, keep: Callable[[Any], bool], ttft:
         rows = []
         for b in ds.tbt:
             if keep(b):
-                x = ph.tbt_x(b.deployment, b.running, b.kv_tokens, b.prompt_tokens, b.max_tokens)
+                x = ph.tbt_x(b.deployment, b.running, b.kv_tokens, b.prompt_tokens, b.max_tokens, b.cluster_running)
                 p, p9 = predict(tm, b.deployment, x)
                 rows.append((b.t, b.tbt_s, p, p9, ph.analytic_tbt(b.deployment, b.running, b.kv_tokens,
                                                                   b.prompt_tokens, b.max_tokens), b.prompt_tokens,
@@ -557,7 +583,8 @@ def _ttft_rows(models: LearnedModels, ph: Physics, ds: Dataset,
         src = q.deployment
         dst = r.decode_deployment or src
         mt = r.max_tokens or r.output_tokens
-        step_l = predict(tm, dst, ph.tbt_x(dst, r.decode_running, r.decode_kv_tokens, r.prompt_tokens, mt))[0]
+        step_l = predict(tm, dst, ph.tbt_x(dst, r.decode_running, r.decode_kv_tokens, r.prompt_tokens, mt,
+                                           r.decode_cluster_running or 0.0))[0]
         kv_l, kv_l9 = predict(xm, dst, ph.transfer_x(src, dst, r.prompt_tokens))
         pre_l, pre_l9 = predict(pm, src, ph.prefill_x(src, [(r.prompt_tokens, r.hit_tokens)]))
         queue_l = reconstructed_queue(q, learned_prefill)

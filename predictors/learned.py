@@ -26,6 +26,8 @@ import logging
 import math
 import os
 from dataclasses import dataclass, field
+from functools import lru_cache
+from statistics import NormalDist
 from typing import Any, Callable, Hashable, Sequence
 
 from predictors.analytic import AnalyticQueue, AnalyticTBT, AnalyticTransfer, DeploymentBook, Prior, Roofline
@@ -46,7 +48,10 @@ CTX_SCALE = 65536.0
 CHUNK_TOKENS = 8192
 
 PREFILL_FEATURES = ("step_s", "linear_s", "attn_s", "attn_ctx_s")
-TBT_FEATURES = ("step_s", "kv_read_s", "batch_s")
+TBT_FEATURES = ("step_s", "kv_read_s", "batch_s", "spread_s", "cluster_s")
+#: The TBT features before ``spread_s`` and ``cluster_s``: a file with them is served with those
+#: two weights at 0 (what it was fitted as).
+TBT_FEATURES_V1 = TBT_FEATURES[:3]
 TRANSFER_FEATURES = ("latency_s", "bytes_s")
 #: A store load also waits for the store's links: the part of the write-through they are busy with
 #: (predictors/store_traffic.py ``busy_s``) beyond the load's own transfer.
@@ -56,7 +61,7 @@ STORE_FEATURES = TRANSFER_FEATURES + ("write_wait_s",)
 FEATURES: dict[str, tuple[str, ...]] = {"prefill": PREFILL_FEATURES, "tbt": TBT_FEATURES, "transfer": TRANSFER_FEATURES,
                                         "store": STORE_FEATURES, "host": TRANSFER_FEATURES}
 #: Feature lists of earlier model files still served: their weights padded with zeros.
-LEGACY_FEATURES: dict[str, tuple[str, ...]] = {"store": TRANSFER_FEATURES}
+LEGACY_FEATURES: dict[str, tuple[str, ...]] = {"store": TRANSFER_FEATURES, "tbt": TBT_FEATURES_V1}
 TERMS = tuple(FEATURES)
 
 #: A roofline at 100% efficiency and no fixed costs: the features' units.
@@ -82,15 +87,35 @@ def prefill_features(r: Roofline, time_scale: float, prompt_tokens: int, cached_
             attn * sum_ctx2 / CTX_SCALE]
 
 
+#: Gaps beyond which the slowest-10% statistic no longer changes (the limit is 1.755).
+SPREAD_GAPS = 1000
+
+
+@lru_cache(maxsize=4096)
+def slowest_share(gaps: int) -> float:
+    """Mooncake's TBT is the mean of a request's slowest 10% of ``gaps`` token gaps: in units of
+    the gaps' spread, the expected mean of the top ceil(gaps/10) of ``gaps`` standard normal draws
+    (Blom's plotting positions), 0 for one gap, rising to 1.755 (a statistical fact, no engine's)."""
+    n = min(SPREAD_GAPS, max(1, gaps))
+    k = max(1, math.ceil(0.1 * n))
+    inv = NormalDist().inv_cdf
+    return math.fsum(inv((i - 0.375) / (n + 0.25)) for i in range(n - k + 1, n + 1)) / k
+
+
 def tbt_features(r: Roofline, time_scale: float, running: int, kv_tokens: int, prompt_tokens: int,
-                 max_tokens: int) -> list[float]:
+                 max_tokens: int, cluster_running: float = 0.0) -> list[float]:
     """A decode step once this request joins, at peak rates: the weight read (what every step
     costs: overhead, launch, weights), the KV read (at the request's largest, as the analytic
-    TBT) and the batch's linear FLOPs (what each sequence adds: FLOPs, sampling, bookkeeping)."""
+    TBT) and the batch's linear FLOPs (what each sequence adds: FLOPs, sampling, bookkeeping);
+    then what decides the slowest 10% of its gaps: the weight read times :func:`slowest_share` of
+    its gaps (a longer decode sees more of the step's spread and of the batch's swings), and the
+    per-sequence FLOPs times the cluster's decode load (reservations per decode instance, which
+    the scheduler spreads over the instances: the batch this one drifts to after placement)."""
     batch = max(0, running) + 1
     kv = max(0, kv_tokens) + max(0, prompt_tokens) + max(1, max_tokens)
-    return [r.weight_bytes / r.mem_bytes_per_s, kv * r.kv_bytes_per_token / r.mem_bytes_per_s,
-            2.0 * r.params * batch / r.flops_per_s]
+    weights, per_seq = r.weight_bytes / r.mem_bytes_per_s, 2.0 * r.params / r.flops_per_s
+    return [weights, kv * r.kv_bytes_per_token / r.mem_bytes_per_s, per_seq * batch,
+            weights * slowest_share(max(1, max_tokens) - 1), per_seq * max(0.0, cluster_running)]
 
 
 def transfer_features(r_dst: Roofline, time_scale: float, tokens: int, bandwidth: float) -> list[float]:
@@ -249,9 +274,9 @@ def parse_models(raw: Any) -> LearnedModels:
             raise ModelError(f"terms.{t}: expected an object")
         n = len(FEATURES[t])
         legacy = LEGACY_FEATURES.get(t)
-        if legacy is not None and tr.get("features") == list(legacy):
-            tr = _padded(tr, len(legacy), n)
-        elif tr.get("features") != list(FEATURES[t]):
+        if legacy is not None and tr.get("features") == list(legacy):  # fitted before the last ones
+            tr = _padded(tr, len(legacy), FEATURES[t])
+        if tr.get("features") != list(FEATURES[t]):
             raise ModelError(f"terms.{t}: features {tr.get('features')!r} are not this gateway's "
                              f"{list(FEATURES[t])} (recalibrate)")
         pooled = None if tr.get("pooled") is None else _term_model(tr["pooled"], n, f"terms.{t}.pooled")
@@ -270,8 +295,10 @@ def parse_models(raw: Any) -> LearnedModels:
                          _positive(cal.get("ttft_p90_scale", 1.0), "calibration.ttft_p90_scale"))
 
 
-def _padded(tr: dict[str, Any], have: int, n: int) -> dict[str, Any]:
-    """A term of an earlier feature list, its weights padded with zeros (the new features unused)."""
+def _padded(tr: dict[str, Any], have: int, features: tuple[str, ...]) -> dict[str, Any]:
+    """A term fitted on the first ``have`` of today's ``features``: the rest weigh 0 (lists of the
+    wrong length are left as they are, for :func:`_term_model` to refuse)."""
+    n = len(features)
     def pad(m: Any) -> Any:
         if not isinstance(m, dict):
             return m
@@ -281,7 +308,7 @@ def _padded(tr: dict[str, Any], have: int, n: int) -> dict[str, Any]:
                 out[k] = out[k] + [0.0] * (n - have)
         return out
     groups = tr.get("groups")
-    return {**tr, "pooled": pad(tr.get("pooled")),
+    return {**tr, "features": list(features), "pooled": pad(tr.get("pooled")),
             "groups": {g: pad(m) for g, m in groups.items()} if isinstance(groups, dict) else groups}
 
 
@@ -347,7 +374,7 @@ class _Compiled:
     group_key: str  # the online correction's key for TBT and the shipment
     net_bytes_per_s: float
     prefill: tuple[float, float, float, float] | None  # per step, per new token, per context, per context^2
-    tbt: tuple[float, float, float] | None  # per step, per KV token, per sequence
+    tbt: tuple[float, float, float, float, float] | None  # per step, KV token, sequence, slowest share, cluster load
     transfer: tuple[float, float] | None  # latency, bytes per token (over the bandwidth)
     store: tuple[float, float, float, float] | None  # latency, s per token (fitted, at peak), per s of link wait
     host: tuple[float, float] | None  # latency, seconds per token loaded from the host tier
@@ -379,7 +406,8 @@ def _compile(models: LearnedModels, key: int, r: Roofline, ts: float, group: str
         None if p is None else (p.coef[0] * weights, p.coef[1] * 2.0 * r.params / r.flops_per_s, p.coef[2] * attn,
                                 p.coef[3] * attn / CTX_SCALE),
         None if t is None else (t.coef[0] * weights, t.coef[1] * r.kv_bytes_per_token / r.mem_bytes_per_s,
-                                t.coef[2] * 2.0 * r.params / r.flops_per_s),
+                                t.coef[2] * 2.0 * r.params / r.flops_per_s, t.coef[3] * weights,
+                                t.coef[4] * 2.0 * r.params / r.flops_per_s),
         None if x is None else (x.coef[0] * ts, x.coef[1] * r.kv_bytes_per_token),
         store(), load("host", Tier.HOST))
 
@@ -441,10 +469,16 @@ class LearnedBundle:
         self.reloads = 0
         self._groups: dict[str, _PrefillGroup] = {}  # handed to the scheduler, kept current here
         self._traffic: StoreTraffic | None = None  # the scheduler's, read by the store term
+        self.decode_cluster = 0.0  # the cluster's decode load the scheduler set for this decision
+        self._share_of, self._share = 1, 0.0  # slowest_share for the last max_tokens asked
 
     def attach_store_traffic(self, traffic: StoreTraffic) -> None:
         """The scheduler's hook: the store traffic it advances before each decision's terms."""
         self._traffic = traffic
+
+    def set_decode_load(self, running_per_instance: float) -> None:
+        """The scheduler's hook, once per decision: reservations per eligible decode instance."""
+        self.decode_cluster = running_per_instance if running_per_instance > 0 else 0.0
 
     # --- models --------------------------------------------------------------------------
     def swap(self, models: LearnedModels, source: str) -> None:
@@ -543,7 +577,9 @@ class LearnedBundle:
             self._memo[mk] = t
         return t
 
-    def tbt_base(self, state: DecodeState, prompt_tokens: int, max_tokens: int) -> float | None:
+    def tbt_base(self, state: DecodeState, prompt_tokens: int, max_tokens: int,
+                 cluster: float | None = None) -> float | None:
+        """``cluster``: the decode load a record was decided with (None: the current decision's)."""
         c = self._compiled(state.instance)
         k = c.tbt
         if k is None:
@@ -551,7 +587,10 @@ class LearnedBundle:
             return None
         kv = (state.kv_tokens if state.kv_tokens > 0 else 0) + (prompt_tokens if prompt_tokens > 0 else 0) + (
             max_tokens if max_tokens > 1 else 1)
-        return k[0] + k[1] * kv + k[2] * ((state.running if state.running > 0 else 0) + 1)
+        if max_tokens != self._share_of:  # every candidate of a decision asks with the same max_tokens
+            self._share_of, self._share = max_tokens, slowest_share(max_tokens - 1 if max_tokens > 1 else 0)
+        return (k[0] + k[1] * kv + k[2] * ((state.running if state.running > 0 else 0) + 1) + k[3] * self._share
+                + k[4] * (self.decode_cluster if cluster is None else cluster))
 
     def transfer_base(self, tokens: int, source: str, destination: str, busy_s: float | None = None) -> float | None:
         """``busy_s``: the store links' busy time to use (default: the attached traffic's now)."""
@@ -592,6 +631,13 @@ class LearnedBundle:
 
     def tbt(self, state: DecodeState, prompt_tokens: int, max_tokens: int) -> float:
         t = self.tbt_base(state, prompt_tokens, max_tokens)
+        if t is None:
+            return self._fallback_tbt.tbt(state, prompt_tokens, max_tokens)
+        return t * self.ewma["tbt"].factor.get(self._compiled(state.instance).group_key, 1.0) if self.online else t
+
+    def _tbt(self, state: DecodeState, prompt_tokens: int, max_tokens: int, cluster: float | None) -> float:
+        """:meth:`tbt` for a record: with the cluster's decode load it was decided with."""
+        t = self.tbt_base(state, prompt_tokens, max_tokens, cluster)
         if t is None:
             return self._fallback_tbt.tbt(state, prompt_tokens, max_tokens)
         return t * self.ewma["tbt"].factor.get(self._compiled(state.instance).group_key, 1.0) if self.online else t
@@ -649,14 +695,16 @@ class LearnedBundle:
         # TBT: the request's own token gaps against the state it was placed in
         if d is not None and len(rec.token_times) > MIN_TBT_INTERVALS:
             state = DecodeState(d, rec.decode_running, rec.decode_kv_tokens)
-            base = self.tbt_base(state, rec.prompt_tokens, rec.max_tokens or rec.output_tokens)
+            base = self.tbt_base(state, rec.prompt_tokens, rec.max_tokens or rec.output_tokens,
+                                 rec.decode_cluster_running or 0.0)
             if base is not None:
                 self.ewma["tbt"].update(self.correction_key("tbt", d), rec.tbt_s, base, rec.predicted_tbt_s)
         # the prefill -> decode KV shipment: the hand-over gap minus the first decode step
         if (p is not None and d is not None and p != d and not rec.predicted_decode_wait_s
                 and rec.prefill_end_s is not None and rec.first_token_s is not None):
             state = DecodeState(d, rec.decode_running, rec.decode_kv_tokens)
-            step = self.tbt(state, rec.prompt_tokens, rec.max_tokens or rec.output_tokens)
+            step = self._tbt(state, rec.prompt_tokens, rec.max_tokens or rec.output_tokens,
+                             rec.decode_cluster_running or 0.0)
             base = self.transfer_base(rec.prompt_tokens, p, d)
             if base is not None:
                 shipped = rec.first_token_s - rec.prefill_end_s - step
@@ -756,6 +804,6 @@ def learned_predictors(model_dir: str | None = None, *, models: LearnedModels | 
     # online: instances alike in deployment and prefill correction share a group (computed once per decision)
     group: Callable[[str], Hashable] = b.group if online else (lambda i: book.keyed(i)[0])
     p = LearnedPredictors(queue=AnalyticQueue(), prefill=b, transfer=b, tbt=b, group=group, register=b.register,
-                          unregister=b.unregister, bundle=b, watch=model_dir)
+                          unregister=b.unregister, decode_load=b.set_decode_load, bundle=b, watch=model_dir)
     p._seen = None if model_dir is None else _mtime(model_dir)
     return p

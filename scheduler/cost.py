@@ -148,6 +148,7 @@ class DecisionContext:
     prefill_ready_s: float = 0.0  # from now until the chosen prefill is done (set after the prefill choice)
     usable_blocks: int = 0  # complete prompt blocks an engine can reuse (all but the last token's)
     pending: dict[str, int] = field(default_factory=dict)  # in-flight prefix per prefill instance (blocks)
+    decode_load: float = 0.0  # the ledger's reservations per eligible decode instance (a TBT feature)
 
     @property
     def prompt_tokens(self) -> int:

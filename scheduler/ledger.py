@@ -17,6 +17,9 @@ from dataclasses import dataclass, field
 
 from predictors.base import DecodeState, PrefillState
 
+#: Seconds over which :meth:`Ledger.decode_load` averages the cluster's decode load.
+DECODE_LOAD_TAU_S = 1.0
+
 
 @dataclass(slots=True)
 class Reservation:
@@ -67,6 +70,8 @@ class Ledger:
         self.observe_ttl_s = observe_ttl_s
         self._loads: dict[str, _Load] = {}
         self._reservations: dict[str, Reservation] = {}
+        self._load_avg: float | None = None  # decode_load's smoothed reservations per instance
+        self._load_at = 0.0
 
     # --- instances ----------------------------------------------------------------------
     def add_instance(self, instance_id: str, kv_capacity_tokens: int = 0, typical_prefill_s: float = 0.0) -> None:
@@ -286,6 +291,20 @@ class Ledger:
             return False
         d.observed = _Observed(int(running), int(waiting), float(kv_usage), now)
         return True
+
+    def decode_load(self, instances: int, now: float, tau_s: float = DECODE_LOAD_TAU_S) -> float:
+        """The cluster's decode load: reservations per decode instance (``instances``), averaged
+        over the last ``tau_s`` (an EWMA sampled at each call). Requests arriving together are
+        one burst that will decode together: the first of them should not see a lighter cluster
+        than the last, so load added in the same instant does not move it (a TBT feature)."""
+        level = len(self._reservations) / (instances if instances > 0 else 1)
+        avg = self._load_avg
+        if avg is None or now < self._load_at:
+            avg = level
+        elif now > self._load_at:
+            avg += (1.0 - math.exp((self._load_at - now) / tau_s)) * (level - avg)
+        self._load_avg, self._load_at = avg, now
+        return avg
 
     # --- reporting ----------------------------------------------------------------------
     def instance_totals(self, instance_id: str) -> dict[str, float | int]:

@@ -477,6 +477,9 @@ class Scheduler:
                                  active, group[i.id])
             c.local = book.local(c)
             prefill.append(c)
+        ctx.decode_load = ledger.decode_load(len(ctx.decode_pool), now)
+        if pred.decode_load is not None:  # the cluster's decode load, before any TBT is asked
+            pred.decode_load(ctx.decode_load)
         ctx.decode = self._decode_candidates(ctx.decode_pool, ctx.facts, now, None)
         ctx.holder, ctx.holder_blocks = best_holder(prefill, ctx.store_blocks)
 
@@ -566,7 +569,8 @@ class Scheduler:
             transfer_from=terms.transfer_from, queue_s=p.queue_s, prefill_s=terms.prefill_s,
             transfer_s=terms.transfer_s, ttft_s=ch.ttft, tbt_s=d.tbt_s, queue_tokens=p.state.queued_tokens,
             queue_requests=p.state.queued_requests, decode_running=now_state.running,
-            decode_kv_tokens=now_state.kv_tokens, explanation=ch.record, kv_transfer_s=ch.kv_s,
+            decode_kv_tokens=now_state.kv_tokens, decode_cluster_running=ctx.decode_load,
+            explanation=ch.record, kv_transfer_s=ch.kv_s,
             decode_first_step_s=ch.first_step_s, decode_wait_s=ch.decode_wait_s,
             policy=self.policy_name, host_tokens=terms.host_tokens)
         traffic = self.store_traffic

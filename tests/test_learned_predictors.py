@@ -50,7 +50,10 @@ def test_calibrate_recovers_the_coefficients_that_generated_the_telemetry(exact)
 def test_calibrate_with_noise_stays_close_and_its_p90_covers(tmp_path):
     m = calibrate(synth_records(800, seed=2, noise=0.03), str(tmp_path), draw=False)
     models = load_models(str(tmp_path))
-    assert models.terms["tbt"].pooled.coef == pytest.approx(TRUE["tbt"], rel=0.1)
+    tbt = models.terms["tbt"].pooled.coef
+    assert [tbt[i] for i in (0, 1, 2, 4)] == pytest.approx([TRUE["tbt"][i] for i in (0, 1, 2, 4)], rel=0.1)
+    # the gaps' noise (sigma 3%) lifts the slowest 10% of them: the spread weight takes it on top
+    assert TRUE["tbt"][3] < tbt[3] < TRUE["tbt"][3] + 0.3
     assert models.terms["transfer"].pooled.coef[1] == pytest.approx(TRUE["transfer"][1], rel=0.05)
     h = m["holdout_metrics"]
     assert h["prefill"]["learned"]["mape"] < 0.05 and h["tbt"]["learned"]["mape"] < 0.05
@@ -105,8 +108,8 @@ def _write(path: str, text: str) -> str:
     (lambda raw: json.dumps({**raw, "format": "pickle"}), "not a conductor-learned-predictors file"),
     (lambda raw: json.dumps({**raw, "version": 99}), "unsupported version"),
     (lambda raw: json.dumps(_set(raw, "prefill", "coef", [1.0, float("nan"), 1.0, 1.0])), "finite"),
-    (lambda raw: json.dumps(_set(raw, "tbt", "coef", [1.0, -2.0, 1.0])), ">= 0"),
-    (lambda raw: json.dumps(_set(raw, "tbt", "coef", [1.0])), "list of 3 numbers"),
+    (lambda raw: json.dumps(_set(raw, "tbt", "coef", [1.0, -2.0, 1.0, 0.0, 0.0])), ">= 0"),
+    (lambda raw: json.dumps(_set(raw, "tbt", "coef", [1.0])), "list of 5 numbers"),
     (lambda raw: json.dumps({**raw, "terms": {**raw["terms"], "prefill": {**raw["terms"]["prefill"],
                                                                          "features": ["tokens"]}}}), "recalibrate"),
     (lambda raw: "\x80\x04\x95pickle", "not valid JSON"),
@@ -377,7 +380,9 @@ def test_compiled_closed_forms_equal_the_models_over_their_features(exact):
         running, kv, mt = rng.randrange(0, 300), rng.randrange(0, 10**6), rng.randrange(0, 2000)
         want = models.terms["prefill"].pooled.predict(prefill_features(r, 1.0, prompt, cached))
         assert p.prefill.prefill_time("a", prompt, cached) == pytest.approx(want, rel=1e-9)
-        want = models.terms["tbt"].pooled.predict(tbt_features(r, 1.0, running, kv, prompt, mt))
+        load = rng.choice((0.0, rng.uniform(0.0, 60.0)))
+        p.decode_load(load)  # type: ignore[misc]
+        want = models.terms["tbt"].pooled.predict(tbt_features(r, 1.0, running, kv, prompt, mt, load))
         assert p.tbt.tbt(DecodeState("a", running, kv), prompt, mt) == pytest.approx(want, rel=1e-9)
         want = models.terms["transfer"].pooled.predict(transfer_features(r, 1.0, prompt, d.net_bytes_per_s))
         assert p.transfer.transfer_time(prompt, "a", "b") == pytest.approx(want, rel=1e-9)
@@ -436,7 +441,8 @@ def test_calibrate_holds_out_a_calibration_split_and_its_p90s_cover_held_out_row
         assert 0.84 <= h[term]["learned"]["p90_coverage"] <= 0.96, (term, h[term]["learned"])
     raw = json.load(open(tmp_path / MODELS_FILE))
     cal = raw["meta"]["p90_calibration"]
-    assert cal["split"] == "cv" and cal["prefill"]["n"] >= 600  # cross-conformal: every training row calibrates
+    # cross-conformal over contiguous stretches of time (the hold-out is the latest part): every training row calibrates
+    assert cal["split"] == "blocked" and cal["prefill"]["n"] >= 600
     assert raw["calibration"]["ttft_p90_scale"] == pytest.approx(cal["ttft"]["scale"])
     models = load_models(str(tmp_path))
     assert models.terms["prefill"].pooled.p90_scale == pytest.approx(cal["prefill"]["scale"])

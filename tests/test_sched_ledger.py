@@ -1,4 +1,6 @@
 """Ledger: reservations add up to the load, are released exactly once, and leave nothing behind."""
+import math
+
 import pytest
 from hypothesis import given, settings, strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
@@ -232,3 +234,21 @@ def test_decode_kv_wait_sweep_matches_its_definition(rs, need, t0, now):
                                 output_tokens=out), 0.0)
     assert led.decode_kv_wait("d", need, t0, now) == pytest.approx(_kv_wait_by_definition(led, "d", need, t0, now),
                                                                   abs=1e-6)
+
+
+def test_decode_load_is_reservations_per_instance_averaged_over_time_and_a_burst_does_not_move_it():
+    led = Ledger()
+    for i in ("d0", "d1"):
+        led.add_instance(i)
+    assert led.decode_load(2, 0.0) == 0.0
+    for k in range(8):  # a burst: eight requests placed in the same instant
+        led.reserve(Reservation(f"r{k}", "p", f"d{k % 2}", 10, 0.1, 100, 0.0, 0.2, 1.0), 0.0)
+        assert led.decode_load(2, 0.0) == 0.0
+    # a second later the average has moved 1 - e^-1 of the way to the level (8 / 2 instances)
+    assert led.decode_load(2, 1.0) == pytest.approx(4.0 * (1 - math.exp(-1.0)))
+    later = led.decode_load(2, 30.0)
+    assert later == pytest.approx(4.0, rel=1e-6)
+    for k in range(8):
+        led.release(f"r{k}", 30.0)
+    assert led.decode_load(2, 31.0) == pytest.approx(4.0 * math.exp(-1.0), rel=1e-6)
+    assert led.decode_load(0, 31.0) == pytest.approx(4.0 * math.exp(-1.0), rel=1e-6)  # no instance: no division

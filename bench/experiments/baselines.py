@@ -41,10 +41,13 @@ POLICIES = ["conductor", "conductor_alg1", "round_robin", "random", "least_loade
             "sglang_cache_aware", "dynamo_cost", "lmetric"]
 # (load of the evaluation run, training loads); the synthetic workload is generated at its rate
 # (loads are speed-ups of it)
+# (evaluation load, calibration telemetry loads): a light one first, so that enough prefills run
+# alone on their instance (calibrate scores the prefill term on lone prefills only and leaves a
+# term with too few of them to the prior; at 3x and 5x alone ~10 of 2000 conversation prefills were)
 WORKLOADS: dict[str, tuple[float, list[float]]] = {
-    "conversation": (5.0, [3.0, 5.0]),
-    "azure_code": (8.0, [4.0, 8.0]),
-    "synthetic": (1.0, [0.5, 1.0]),
+    "conversation": (5.0, [0.5, 1.0, 3.0, 5.0]),
+    "azure_code": (8.0, [1.0, 4.0, 8.0]),
+    "synthetic": (1.0, [0.25, 0.5, 1.0]),
 }
 HEAVY_WORK = 4.0  # a heavier work term than conductor's default, measured beside it
 SYNTH_RATE = 30.0  # requests/s: as conductor-vs-baselines.md §3b's heavier load

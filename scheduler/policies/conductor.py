@@ -21,7 +21,10 @@ replicate. The decode instance balances load: the lowest predicted TBT once this
   the KV, shipment, first step): balancing TBT alone sends requests to instances whose KV is
   full, where they wait after their prefill;
 * overload admission by cost (``cost_admission=on``, opt-in, scheduler/overload.py): past the
-  prefill capacity, the cheapest prefills are admitted first (docs/experiments/overload-admission.md).
+  prefill capacity, the cheapest prefills are admitted first (docs/experiments/overload-admission.md);
+* near-tie affinity (``affinity_margin_s`` / ``affinity_margin_rel``, opt-in,
+  scheduler/policies/conductor_affinity.py): within the margin of the lowest score the holder of
+  the longest prefix wins; measured without effect (docs/experiments/goodput-curves.md).
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from typing import Any, Hashable, Literal
 from predictors.types import Role, Tier
 from scheduler.cost import DecisionContext, PrefillCandidate, Terms
 from scheduler.policies.base import DecodeChoice, Policy, PrefillChoice, argmin, runner_up
+from scheduler.policies.conductor_affinity import near_tie_holder
 
 
 @dataclass(frozen=True)
@@ -49,12 +53,21 @@ class ConductorParams:
     inflight: bool = True
     # "first_token": earliest first token within the TBT SLO; "tbt": Algorithm 1's load balancing
     decode_choice: Literal["first_token", "tbt"] = "first_token"
+    # near-tie affinity (departs from Algorithm 1; 0 and 0: off): among the candidates whose score is
+    # within max(affinity_margin_s, affinity_margin_rel x the lowest) of the lowest, the one already
+    # holding the longest prefix of this request (KV events or in flight) wins, so the conversation's
+    # follow-ups find it there; a candidate whose predicted TTFT would break the SLO the lowest meets
+    # never wins this way (scheduler/policies/conductor_affinity.py)
+    affinity_margin_s: float = 0.0
+    affinity_margin_rel: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.balancing_threshold > 0:
             raise ValueError("balancing_threshold must be > 0")
         if self.work_weight < 0:
             raise ValueError("work_weight must be >= 0")
+        if self.affinity_margin_s < 0 or self.affinity_margin_rel < 0:
+            raise ValueError("affinity_margin_s and affinity_margin_rel must be >= 0")
 
 
 class ConductorPolicy(Policy):
@@ -106,8 +119,14 @@ class ConductorPolicy(Policy):
         w = self.params.work_weight
         scores = {c.id: c.ttft(rows[c.id]) + kv_est.get(c.id, 0.0) + w * rows[c.id].cache_s for c in ctx.prefill}
         winner = argmin(ctx.prefill, key=lambda c: (scores[c.id], c.state.queued_tokens), rng=ctx.rng)
-        t = rows[winner.id]
         why = f"lowest predicted TTFT {scores[winner.id]:.4g}s{runner_up(scores, winner.id)}"
+        p = self.params
+        if p.affinity_margin_s > 0 or p.affinity_margin_rel > 0:
+            holder_pick = near_tie_holder(ctx, winner, scores, rows, kv_est, p.affinity_margin_s,
+                                          p.affinity_margin_rel)
+            if holder_pick is not None:
+                winner, why = holder_pick
+        t = rows[winner.id]
         if t.transfer_from is not None and t.transfer_tokens:
             why += f"; pulls {t.transfer_tokens} tokens from {t.transfer_from} (replicates the prefix)"
         extra: dict[str, Any] = {"best_holder": holder, "best_hit_tokens": best_blocks * ctx.block_size,

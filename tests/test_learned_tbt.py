@@ -1,0 +1,143 @@
+"""The learned TBT's decision-time features (the slowest-10% statistic of the request's gaps, the
+cluster's decode load) from the scheduler to the record to the fit and back, and conformal
+calibration over contiguous stretches of time."""
+import json
+import math
+import os
+
+import pytest
+from learned_helpers import DEPLOYMENT, TRUE, synth_records
+
+from predictors.base import DecodeState
+from predictors.calibrate import calibrate
+from predictors.dataset import build_dataset
+from predictors.facts import load_deployment
+from predictors.fit import calibration_folds
+from predictors.learned import (
+    MODELS_FILE,
+    TBT_FEATURES_V1,
+    learned_predictors,
+    load_models,
+    physics,
+    slowest_share,
+    tbt_features,
+)
+from scheduler import Instance, Placement, RequestFacts, Scheduler
+from scheduler.hashing import block_hashes
+from tests.sched_helpers import Clock, toks
+
+
+@pytest.fixture(scope="module")
+def exact(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("exact-tbt"))
+    calibrate(synth_records(400, seed=1), d, draw=False)
+    return d
+
+
+def test_slowest_share_is_the_expected_top_tenth_of_normal_draws():
+    assert slowest_share(1) == 0.0 and slowest_share(0) == 0.0
+    # the mean of the top 10% of a standard normal: phi(z_0.9) / 0.1 = 1.7550
+    assert slowest_share(10**6) == pytest.approx(1.755, abs=0.01)
+    values = [slowest_share(n) for n in (2, 9, 10, 50, 200, 1000)]
+    assert values == sorted(values) and all(0 < v < 1.76 for v in values)
+    assert slowest_share(9) == pytest.approx(1.485, abs=0.03)  # the largest of 9 draws
+
+
+def test_calibrate_recovers_the_tbt_weights_of_the_new_features(exact):
+    """Generated telemetry whose TBT depends on the cluster's load and the gaps' slowest share:
+    the fit finds their weights exactly, and serving with the load the scheduler sets answers
+    the model over the documented features."""
+    tbt = load_models(exact).terms["tbt"].pooled
+    assert tbt.coef == pytest.approx(TRUE["tbt"], rel=1e-6)
+    p = learned_predictors(exact, online=False)
+    d = load_deployment(DEPLOYMENT)
+    p.register("d-1", d, 400_000)
+    r = physics(d)
+    for load in (0.0, 3.5, 30.0):
+        p.decode_load(load)  # type: ignore[misc]
+        want = sum(w * x for w, x in zip(TRUE["tbt"], tbt_features(r, 1.0, 4, 9000, 500, 300, load), strict=True))
+        assert p.tbt.tbt(DecodeState("d-1", 4, 9000), 500, 300) == pytest.approx(want, rel=1e-6)
+    p.decode_load(0.0)  # type: ignore[misc]
+    light = p.tbt.tbt(DecodeState("d-1", 4, 9000), 500, 300)
+    p.decode_load(30.0)  # type: ignore[misc]
+    assert p.tbt.tbt(DecodeState("d-1", 4, 9000), 500, 300) - light == pytest.approx(
+        TRUE["tbt"][4] * 30.0 * 2.0 * r.params / r.flops_per_s, rel=1e-6)
+
+
+def test_a_tbt_model_from_before_the_new_features_serves_them_at_zero(exact, tmp_path):
+    raw = json.load(open(os.path.join(exact, MODELS_FILE)))
+    tr = raw["terms"]["tbt"]
+    tr["features"] = list(TBT_FEATURES_V1)
+    for m in [tr["pooled"], *tr["groups"].values()]:
+        m["coef"], m["p90_coef"] = m["coef"][:3], m["p90_coef"][:3]
+    os.makedirs(tmp_path / "old")
+    with open(tmp_path / "old" / MODELS_FILE, "w") as f:
+        json.dump(raw, f)
+    old = load_models(str(tmp_path / "old")).terms["tbt"].pooled
+    assert old.coef == pytest.approx(list(TRUE["tbt"][:3]) + [0.0, 0.0], rel=1e-6)
+    p = learned_predictors(str(tmp_path / "old"), online=False)
+    d = load_deployment(DEPLOYMENT)
+    p.register("d-1", d, 400_000)
+    p.decode_load(25.0)  # type: ignore[misc]
+    want = sum(w * x for w, x in zip(TRUE["tbt"][:3], tbt_features(physics(d), 1.0, 2, 100, 50, 20)[:3], strict=True))
+    assert p.tbt.tbt(DecodeState("d-1", 2, 100), 50, 20) == pytest.approx(want, rel=1e-6)
+
+
+def test_the_scheduler_sets_the_cluster_decode_load_before_a_decision_and_records_it():
+    clock = Clock(0.0)
+    pred = learned_predictors(None, online=False)
+    seen: list[float] = []
+    hook = pred.decode_load
+    assert hook is not None
+    pred.decode_load = lambda v: (seen.append(v), hook(v))  # type: ignore[assignment]
+    insts = [Instance("p0", "prefill"), Instance("p1", "prefill"), Instance("d0", "decode"), Instance("d1", "decode")]
+    sched = Scheduler(insts, clock=clock, predictors=pred)
+
+    def place(rid: str, seed: int) -> Placement:
+        d = sched.decide(RequestFacts(rid, 800, block_hashes(toks(seed, 800), 16), 50, None))
+        assert isinstance(d, Placement)
+        return d
+
+    burst = [place(f"b{k}", k) for k in range(4)]  # four in the same instant: one burst
+    assert [d.decode_cluster_running for d in burst] == [0.0] * 4 and seen == [0.0] * 4
+    clock.t = 1.0
+    d = place("later", 99)
+    want = 4 / 2 * (1 - math.exp(-1.0))  # 4 reservations over 2 decode instances, averaged over 1 s
+    assert d.decode_cluster_running == pytest.approx(want) and seen[-1] == pytest.approx(want)
+    assert pred.bundle is not None and pred.bundle.decode_cluster == pytest.approx(want)
+
+
+def test_time_blocks_are_contiguous_and_forward_folds_see_only_the_past():
+    ds = build_dataset(synth_records(300, seed=4))
+
+    def train(t: float) -> bool:
+        return t < 0.8
+
+    blocked = calibration_folds(ds, train, "blocked", 0.2)
+    assert len(blocked) == 5
+    rows = [r for r in ds.tbt if train(r.t)]
+    owner = [[k for k, (_, cal) in enumerate(blocked) if cal(r)] for r in rows]
+    assert all(len(o) == 1 for o in owner)  # every training row calibrates exactly once
+    by_t = [o[0] for _, o in sorted(zip([r.t for r in rows], owner, strict=True))]
+    assert by_t == sorted(by_t)  # blocks are contiguous stretches of time
+    for proper, cal in blocked:
+        assert not any(proper(r.t) and cal(r) for r in rows)
+        assert not any(cal(r) for r in ds.tbt if not train(r.t))
+    forward = calibration_folds(ds, train, "forward", 0.2)
+    assert len(forward) == 4
+    for proper, cal in forward:
+        first = min(r.t for r in rows if cal(r))
+        assert all(t < first for t in (r.t for r in rows if proper(r.t)))
+
+
+def test_blocked_conformal_covers_the_latest_rows_of_a_drifting_run(tmp_path):
+    """The cluster's load climbs through the run (the latest rows are the busiest, as a time
+    hold-out has them) and the gaps are noisy: calibrated on contiguous stretches of the earlier
+    rows, the TBT's p90 covers near 90% of the latest 20%, and so does every other term."""
+    recs = synth_records(1500, seed=21, noise=0.08, cluster_of=lambda x: 60.0 * x)
+    m = calibrate(recs, str(tmp_path), draw=False)
+    assert m["holdout"] == "time"
+    h = m["holdout_metrics"]
+    for term in ("prefill", "tbt", "handover", "ttft"):
+        assert 0.86 <= h[term]["learned"]["p90_coverage"] <= 0.94, (term, h[term]["learned"])
+    assert json.load(open(tmp_path / MODELS_FILE))["meta"]["p90_calibration"]["split"] == "blocked"
