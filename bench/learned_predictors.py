@@ -3,7 +3,7 @@
     .venv/bin/python bench/learned_predictors.py [--profile llama3-8b-h200-gap] [--prefill 4 --decode 4]
         [--trace data/traces/mooncake_conversation_trace.jsonl] [--train 1500] [--train-loads 0.5,1,2]
         [--eval 1000] [--eval-load 2] [--slo-ttft-ms 5000] [--slo-tbt-ms 25] [--holdout time|random] [--store]
-        [--out DIR]
+        [--host-tier-tokens N] [--out DIR]
 
 1. Telemetry: ``simulate`` (the live scheduler, the sim engine's EngineModel in virtual time,
    analytic predictors) replays the first ``--train`` requests of the trace at each training
@@ -144,11 +144,15 @@ def main() -> int:
     ap.add_argument("--store", action="store_true",
                     help="a shared Mooncake-style store (conductor simulate --store): prefills load what it holds, "
                          "and the store-load term is learned")
+    ap.add_argument("--host-tier-tokens", type=int, default=0,
+                    help="a host-memory KV tier per engine, tokens (as conductor simulate --host-tier-tokens): "
+                         "telemetry with host-tier loads")
     ap.add_argument("--out", help="keep the telemetry and models here (default: a temporary directory)")
     a = ap.parse_args()
     slo = SLO(a.slo_ttft_ms / 1e3, a.slo_tbt_ms / 1e3)
     store = StoreSpec(nodes=a.prefill + a.decode) if a.store else None  # as conductor simulate --store
-    cluster = ClusterSpec(prefill=a.prefill, decode=a.decode, profile=a.profile, store=store)
+    cluster = ClusterSpec(prefill=a.prefill, decode=a.decode, profile=a.profile, store=store,
+                          engine={"host_tier_tokens": a.host_tier_tokens} if a.host_tier_tokens else {})
     whole = read_trace(a.trace, limit=a.train + a.eval)
     train_w = dataclasses.replace(whole, requests=whole.requests[:a.train])
     eval_w = dataclasses.replace(whole, requests=whole.requests[a.train:])

@@ -52,6 +52,10 @@ class PrefillRow:
     store_loads: int = 0
     host_tokens: int = 0  # loaded from the instance's host tier before the prefill
     host_loads: int = 0
+    # the store's traffic at the (first) request's decision (predictors/store_traffic.py)
+    store_write_recent_bytes: int = 0
+    store_busy_s: float = 0.0
+    store_loads_inflight: int = 0
 
     @property
     def loads(self) -> bool:
@@ -234,7 +238,10 @@ def build_dataset(records: Iterable[RequestRecord], default_deployment: str | No
             current = PrefillRow(pos(r), dep, [(r.prompt_tokens, r.hit_tokens)], r.prefill_end_s - start,
                                  clean=prev_end <= r.prefill_start_s and not joined and not overlapped,
                                  request_ids=[r.request_id], store_tokens=store, store_loads=int(bool(store)),
-                                 host_tokens=host, host_loads=int(bool(host)))
+                                 host_tokens=host, host_loads=int(bool(host)),
+                                 store_write_recent_bytes=r.store_write_recent_bytes,
+                                 store_busy_s=r.store_busy_s,
+                                 store_loads_inflight=r.store_loads_inflight)
             prefill.append(current)
             prev_end = r.prefill_end_s
         # the queue each request found: the requests decided before it and not yet prefilled

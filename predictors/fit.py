@@ -188,8 +188,8 @@ class Physics:
         bw = min(self.d[src].net_bytes_per_s, self.d[dst].net_bytes_per_s)
         return transfer_features(self.unit[dst], self.ts(dst), tokens, bw)
 
-    def load_x(self, dep: str, tier: str, tokens: int, loads: int) -> list[float]:
-        return load_features(self.unit[dep], self.ts(dep), tier, tokens, loads)
+    def load_x(self, dep: str, tier: str, tokens: int, loads: int, busy_s: float = 0.0) -> list[float]:
+        return load_features(self.unit[dep], self.ts(dep), tier, tokens, loads, busy_s)
 
     def analytic_load(self, dep: str, tier: str, tokens: int, loads: int) -> float:
         """The prior's load (predictors/analytic.py AnalyticTransfer): latency + bytes / bandwidth."""
@@ -209,10 +209,11 @@ class Physics:
             s.net_bytes_per_s, d.net_bytes_per_s)
 
 
-#: The prefix-load terms: (term, tier, the row's tokens and loads of that tier).
-LOADS: tuple[tuple[str, str, Callable[[PrefillRow], tuple[int, int]]], ...] = (
-    ("store", Tier.STORE, lambda r: (r.store_tokens, r.store_loads)),
-    ("host", Tier.HOST, lambda r: (r.host_tokens, r.host_loads)))
+#: The prefix-load terms: (term, tier, the row's tokens and loads of that tier, and for the store
+#: how long its links were predicted busy with write-through at decision).
+LOADS: tuple[tuple[str, str, Callable[[PrefillRow], tuple[int, int, float]]], ...] = (
+    ("store", Tier.STORE, lambda r: (r.store_tokens, r.store_loads, r.store_busy_s)),
+    ("host", Tier.HOST, lambda r: (r.host_tokens, r.host_loads, 0.0)))
 
 
 def load_rows(rows: Sequence[PrefillRow], term: str) -> list[PrefillRow]:
@@ -222,8 +223,8 @@ def load_rows(rows: Sequence[PrefillRow], term: str) -> list[PrefillRow]:
 
 
 def load_matrix(ph: Physics, rows: Sequence[PrefillRow], term: str, tier: str,
-                amount: Callable[[PrefillRow], tuple[int, int]]) -> Fitted:
-    return Fitted(np.array([ph.load_x(r.deployment, tier, *amount(r)) for r in rows]).reshape(-1, 2),
+                amount: Callable[[PrefillRow], tuple[int, int, float]]) -> Fitted:
+    return Fitted(np.array([ph.load_x(r.deployment, tier, *amount(r)) for r in rows]).reshape(-1, len(FEATURES[term])),
                   np.array([r.service_s for r in rows]), [group_of(r.deployment) for r in rows],
                   np.array([r.t for r in rows]))
 
@@ -539,7 +540,7 @@ def score(models: LearnedModels, ds: Dataset, keep: Callable[[Any], bool], ttft:
             pre = predict(pm, r.deployment, ph.prefill_x(r.deployment, r.items))[0]
             x = ph.load_x(r.deployment, tier, *amount(r))
             p, p9 = predict(tm, r.deployment, x)
-            ana = ph.analytic_load(r.deployment, tier, *amount(r))
+            ana = ph.analytic_load(r.deployment, tier, *amount(r)[:2])
             rows.append((r.t, r.service_s, pre + p, pre + p9, ph.analytic_prefill(r.deployment, r.items) + ana,
                          r.prompt_tokens, raw_upper(tm, r.deployment, x), pre))
             if r.service_s > pre:  # the load alone: the leg minus the learned prefill (its error included)

@@ -33,6 +33,7 @@ from typing import Any, Callable, Hashable, Sequence
 from predictors.analytic import AnalyticQueue, AnalyticTBT, AnalyticTransfer, DeploymentBook, Prior, Roofline
 from predictors.base import DecodeState, Predictors
 from predictors.facts import TIME_SCALE_SEP, Deployment
+from predictors.store_traffic import StoreTraffic
 from predictors.telemetry import RequestRecord
 from predictors.types import Tier
 
@@ -52,10 +53,15 @@ TBT_FEATURES = ("step_s", "kv_read_s", "batch_s", "spread_s", "cluster_s")
 #: two weights at 0 (what it was fitted as).
 TBT_FEATURES_V1 = TBT_FEATURES[:3]
 TRANSFER_FEATURES = ("latency_s", "bytes_s")
+#: A store load also waits for the store's links: the part of the write-through they are busy with
+#: (predictors/store_traffic.py ``busy_s``) beyond the load's own transfer.
+STORE_FEATURES = TRANSFER_FEATURES + ("write_wait_s",)
 #: ``store`` and ``host``: loading a prefix from the shared store / the host tier before the prefill
 #: (a fixed cost per load, and the bytes over the store's public bandwidth / the host link's).
 FEATURES: dict[str, tuple[str, ...]] = {"prefill": PREFILL_FEATURES, "tbt": TBT_FEATURES, "transfer": TRANSFER_FEATURES,
-                                        "store": TRANSFER_FEATURES, "host": TRANSFER_FEATURES}
+                                        "store": STORE_FEATURES, "host": TRANSFER_FEATURES}
+#: Feature lists of earlier model files still served: their weights padded with zeros.
+LEGACY_FEATURES: dict[str, tuple[str, ...]] = {"store": TRANSFER_FEATURES, "tbt": TBT_FEATURES_V1}
 TERMS = tuple(FEATURES)
 
 #: A roofline at 100% efficiency and no fixed costs: the features' units.
@@ -116,12 +122,19 @@ def transfer_features(r_dst: Roofline, time_scale: float, tokens: int, bandwidth
     return [time_scale, tokens * r_dst.kv_bytes_per_token / bandwidth]
 
 
-def load_features(r: Roofline, time_scale: float, tier: str, tokens: int, loads: int = 1) -> list[float]:
+def load_features(r: Roofline, time_scale: float, tier: str, tokens: int, loads: int = 1,
+                  busy_s: float = 0.0) -> list[float]:
     """Loading ``tokens`` of prefix KV (in ``loads`` operations) onto the prefill instance from the
     shared store (at the prior's public store bandwidth, never above the NIC) or its host tier
-    (at the deployment's host link): the roofline's own transfer, as a load term's features."""
+    (at the deployment's host link): the roofline's own transfer, as a load term's features. A
+    store load adds the wait for the store's links: ``busy_s`` (how long they stay busy with
+    write-through, as the gateway predicts it) beyond the load's own transfer (a load and the
+    puts ahead of it share the link: it ends at the later of the two)."""
     bw = r.store_bytes_per_s or r.net_bytes_per_s if tier == Tier.STORE else r.host_bytes_per_s
-    return [loads * time_scale, tokens * r.kv_bytes_per_token / bw]
+    own = tokens * r.kv_bytes_per_token / bw
+    if tier != Tier.STORE:
+        return [loads * time_scale, own]
+    return [loads * time_scale, own, busy_s - own if busy_s > own else 0.0]
 
 
 def group_of(deployment: str) -> str:
@@ -236,23 +249,6 @@ def _term_model(raw: Any, n_features: int, where: str) -> TermModel:
                      None if q is None else tuple(float(c) for c in q), scale)
 
 
-def _padded(tr: dict[str, Any], n: int) -> dict[str, Any]:
-    """A term fitted on a prefix of today's features: the rest weigh 0 (lists of the wrong length
-    are left as they are, for :func:`_term_model` to refuse)."""
-    def pad(m: Any) -> Any:
-        if not isinstance(m, dict):
-            return m
-        out = dict(m)
-        for key in ("coef", "p90_coef"):
-            v = m.get(key)
-            if isinstance(v, list) and len(v) == len(TBT_FEATURES_V1):
-                out[key] = v + [0.0] * (n - len(v))
-        return out
-    groups = tr.get("groups")
-    return {**tr, "features": list(TBT_FEATURES), "pooled": pad(tr.get("pooled")),
-            "groups": {g: pad(m) for g, m in groups.items()} if isinstance(groups, dict) else groups}
-
-
 def _positive(v: Any, where: str) -> float:
     """A quantile factor or scale: positive, finite, below 100 (files from before it say nothing: 1)."""
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 < v < 100:
@@ -277,8 +273,9 @@ def parse_models(raw: Any) -> LearnedModels:
         if not isinstance(tr, dict):
             raise ModelError(f"terms.{t}: expected an object")
         n = len(FEATURES[t])
-        if t == "tbt" and tr.get("features") == list(TBT_FEATURES_V1):  # fitted before the last two
-            tr = _padded(tr, n)
+        legacy = LEGACY_FEATURES.get(t)
+        if legacy is not None and tr.get("features") == list(legacy):  # fitted before the last ones
+            tr = _padded(tr, len(legacy), FEATURES[t])
         if tr.get("features") != list(FEATURES[t]):
             raise ModelError(f"terms.{t}: features {tr.get('features')!r} are not this gateway's "
                              f"{list(FEATURES[t])} (recalibrate)")
@@ -296,6 +293,23 @@ def parse_models(raw: Any) -> LearnedModels:
         raise ModelError("calibration: expected an object")
     return LearnedModels(terms, meta if isinstance(meta, dict) else {},
                          _positive(cal.get("ttft_p90_scale", 1.0), "calibration.ttft_p90_scale"))
+
+
+def _padded(tr: dict[str, Any], have: int, features: tuple[str, ...]) -> dict[str, Any]:
+    """A term fitted on the first ``have`` of today's ``features``: the rest weigh 0 (lists of the
+    wrong length are left as they are, for :func:`_term_model` to refuse)."""
+    n = len(features)
+    def pad(m: Any) -> Any:
+        if not isinstance(m, dict):
+            return m
+        out = dict(m)
+        for k in ("coef", "p90_coef"):
+            if isinstance(out.get(k), list) and len(out[k]) == have:
+                out[k] = out[k] + [0.0] * (n - have)
+        return out
+    groups = tr.get("groups")
+    return {**tr, "features": list(features), "pooled": pad(tr.get("pooled")),
+            "groups": {g: pad(m) for g, m in groups.items()} if isinstance(groups, dict) else groups}
 
 
 def load_models(directory: str) -> LearnedModels:
@@ -330,13 +344,15 @@ class Ewma:
     def get(self, key: str) -> float:
         return self.factor.get(key, 1.0)
 
-    def update(self, key: str, actual: float, base: float, served: float | None) -> None:
-        """``base``: the model's answer without correction; ``served``: what was predicted then."""
+    def update(self, key: str, actual: float, base: float, served: float | None, correct: bool = True) -> None:
+        """``base``: the model's answer without correction; ``served``: what was predicted then;
+        ``correct`` False only tracks the live error (the factor stays)."""
         if not (actual > 0 and base > 0 and math.isfinite(actual) and math.isfinite(base)):
             return
-        ratio = min(self.hi, max(self.lo, actual / base))
-        f = self.factor.get(key, 1.0)
-        self.factor[key] = min(self.hi, max(self.lo, f + self.alpha * (ratio - f)))
+        if correct:
+            ratio = min(self.hi, max(self.lo, actual / base))
+            f = self.factor.get(key, 1.0)
+            self.factor[key] = min(self.hi, max(self.lo, f + self.alpha * (ratio - f)))
         self.count[key] = self.count.get(key, 0) + 1
         if served is not None and served > 0:
             e = abs(served / actual - 1.0)
@@ -360,7 +376,7 @@ class _Compiled:
     prefill: tuple[float, float, float, float] | None  # per step, per new token, per context, per context^2
     tbt: tuple[float, float, float, float, float] | None  # per step, KV token, sequence, slowest share, cluster load
     transfer: tuple[float, float] | None  # latency, bytes per token (over the bandwidth)
-    store: tuple[float, float] | None  # latency, seconds per token loaded from the store
+    store: tuple[float, float, float, float] | None  # latency, s per token (fitted, at peak), per s of link wait
     host: tuple[float, float] | None  # latency, seconds per token loaded from the host tier
 
 
@@ -377,8 +393,14 @@ def _compile(models: LearnedModels, key: int, r: Roofline, ts: float, group: str
         m = model(term)
         if m is None:
             return None
-        lat, per_token = load_features(r, ts, tier, 1)
+        lat, per_token = load_features(r, ts, tier, 1)[:2]
         return m.coef[0] * lat, m.coef[1] * per_token
+
+    def store() -> tuple[float, float, float, float] | None:
+        m, lp = model("store"), load("store", Tier.STORE)
+        if m is None or lp is None:
+            return None
+        return lp[0], lp[1], load_features(r, ts, Tier.STORE, 1)[1], m.coef[2]
     return _Compiled(
         key, group, f"group:{group}", served.net_bytes_per_s,
         None if p is None else (p.coef[0] * weights, p.coef[1] * 2.0 * r.params / r.flops_per_s, p.coef[2] * attn,
@@ -387,7 +409,7 @@ def _compile(models: LearnedModels, key: int, r: Roofline, ts: float, group: str
                                 t.coef[2] * 2.0 * r.params / r.flops_per_s, t.coef[3] * weights,
                                 t.coef[4] * 2.0 * r.params / r.flops_per_s),
         None if x is None else (x.coef[0] * ts, x.coef[1] * r.kv_bytes_per_token),
-        load("store", Tier.STORE), load("host", Tier.HOST))
+        store(), load("host", Tier.HOST))
 
 
 #: Resolution of the served prefill correction (0.5%): see :meth:`LearnedBundle.group`.
@@ -424,8 +446,13 @@ class LearnedBundle:
         # (Predictors.groups), one shared tuple per distinct group (hashed and compared in C)
         self.groups: dict[str, tuple[int, int]] = {}
         self._interned: dict[tuple[int, int], tuple[int, int]] = {}
+        self._traffic: StoreTraffic | None = None  # the scheduler's, read by the store term
         self.decode_cluster = 0.0  # the cluster's decode load the scheduler set for this decision
         self._share_of, self._share = 1, 0.0  # slowest_share for the last max_tokens asked
+
+    def attach_store_traffic(self, traffic: StoreTraffic) -> None:
+        """The scheduler's hook: the store traffic it advances before each decision's terms."""
+        self._traffic = traffic
 
     def set_decode_load(self, running_per_instance: float) -> None:
         """The scheduler's hook, once per decision: reservations per eligible decode instance."""
@@ -547,10 +574,20 @@ class LearnedBundle:
         return (k[0] + k[1] * kv + k[2] * ((state.running if state.running > 0 else 0) + 1) + k[3] * self._share
                 + k[4] * (self.decode_cluster if cluster is None else cluster))
 
-    def transfer_base(self, tokens: int, source: str, destination: str) -> float | None:
+    def transfer_base(self, tokens: int, source: str, destination: str, busy_s: float | None = None) -> float | None:
+        """``busy_s``: the store links' busy time to use (default: the attached traffic's now)."""
         c = self._compiled(destination)
         if source == Tier.STORE or source == Tier.HOST:  # a load before the prefill (its own term)
-            k = c.store if source == Tier.STORE else c.host
+            if source == Tier.STORE:
+                s = c.store
+                if s is None:
+                    self._warn(str(source), f"no model of loads from the {source} for {c.group}")
+                    return None
+                if busy_s is None:
+                    busy_s = self._traffic.busy_s if self._traffic is not None else 0.0
+                busy, own = busy_s, tokens * s[2]
+                return s[0] + tokens * s[1] + (s[3] * (busy - own) if busy > own else 0.0)
+            k = c.host
             if k is None:
                 self._warn(str(source), f"no model of loads from the {source} for {c.group}")
                 return None
@@ -621,18 +658,22 @@ class LearnedBundle:
                 self.ewma["prefill"].update(p, rec.prefill_end_s - rec.prefill_start_s, base, rec.predicted_prefill_s)
                 self._regroup(p)
         # a load from the store or the host tier (one kind only) by a request that found its
-        # instance idle: its leg minus its (corrected) prefill
+        # instance idle: its leg minus its (corrected) prefill, for the live error only. Not a
+        # correction: the load is a small part of a leg that prefills joining the instance later
+        # stretch, and the factor ran to its bound (served store legs of lone prefills in
+        # operation: 27.9% MAPE corrected, 3.6% not; docs/predictors.md, "Store loads")
         store = rec.transfer_tokens if rec.transfer_from == Tier.STORE else 0
         load = (Tier.STORE, store) if store and not rec.host_load_tokens else (
             (Tier.HOST, rec.host_load_tokens) if rec.host_load_tokens and not rec.transfer_tokens else None)
         if (load is not None and p is not None and p != d and rec.queue_requests == 0
                 and rec.prefill_start_s is not None and rec.prefill_end_s is not None):
-            base = self.transfer_base(load[1], load[0], p)
+            base = self.transfer_base(load[1], load[0], p, rec.store_busy_s)  # as at its decision
             if base is not None:
                 loaded = rec.prefill_end_s - rec.prefill_start_s - self.prefill_time(p, rec.prompt_tokens,
                                                                                     rec.hit_tokens)
                 self.ewma[str(load[0])].update(self.correction_key("store", p), loaded, base,
-                                               None if rec.predicted_transfer_s is None else rec.predicted_transfer_s)
+                                               None if rec.predicted_transfer_s is None else rec.predicted_transfer_s,
+                                               correct=False)
         # TBT: the request's own token gaps against the state it was placed in
         if d is not None and len(rec.token_times) > MIN_TBT_INTERVALS:
             state = DecodeState(d, rec.decode_running, rec.decode_kv_tokens)

@@ -54,6 +54,10 @@ class RequestRecord:
     queue_requests: int = 0
     decode_running: int = 0  # sequences on the chosen decode instance before this one
     decode_kv_tokens: int = 0
+    # the shared store's traffic at decision (predictors/store_traffic.py): what a store load queues behind
+    store_write_recent_bytes: int = 0  # written through to the store in the last window (0.5 s)
+    store_busy_s: float = 0.0  # until the latest predicted end of a placed prefill whose last chunk runs now
+    store_loads_inflight: int = 0  # placed requests loading from the store, their prefill not ended
     # the whole cluster's decode load at decision: the ledger's reservations (decoding or about to)
     # per eligible decode instance (what the batch this request joins tends to); None: not recorded
     decode_cluster_running: float | None = None

@@ -22,8 +22,9 @@ import xxhash
 from predictors.analytic import analytic_predictors
 from predictors.base import DecodeState, Predictors
 from predictors.facts import Deployment, load_deployment
+from predictors.store_traffic import StoreTraffic
 from predictors.telemetry import SLO
-from predictors.types import Role
+from predictors.types import Role, Tier
 from scheduler import admission
 from scheduler.admission import check_headroom
 from scheduler.cost import DecisionContext, DecodeCandidate, PrefillCandidate, TermBook, best_holder
@@ -94,6 +95,11 @@ class Scheduler:
         self._inflight = self.policy.reads_inflight  # kept only for a policy that reads it
         # analytic predictors over the instances' public deployments unless some are injected
         self.predictors = predictors if predictors is not None else analytic_predictors()
+        # the shared store's write-through traffic as the gateway knows it (a learned store term reads it)
+        self.store_traffic = StoreTraffic()
+        attach = getattr(self.predictors.transfer, "attach_store_traffic", None)
+        if attach is not None:
+            attach(self.store_traffic)
         self.decisions: deque[dict[str, Any]] = deque(maxlen=max(0, keep_decisions))
         self.counts: dict[str, int] = {"placed": 0}
         self._instances: dict[str, Instance] = {}
@@ -292,6 +298,7 @@ class Scheduler:
             return False
         now = self.clock()
         self.inflight.prefill_done(request_id, now)
+        self.store_traffic.done(request_id, now)  # its write-through starts now
         return self.ledger.prefill_done(request_id, now)
 
     def admit_decode(self, facts: RequestFacts, decode: str) -> Rejection | None:
@@ -322,6 +329,7 @@ class Scheduler:
         if not isinstance(request_id, str):
             return False
         self.inflight.drop(request_id)
+        self.store_traffic.done(request_id, None)
         return self.ledger.release(request_id, self.clock())
 
     # --- reporting ----------------------------------------------------------------------
@@ -451,6 +459,7 @@ class Scheduler:
         pred, ledger, now, match = self.predictors, self.ledger, ctx.now, ctx.match
         assert match is not None, "the cache-facts stage runs first"
         book = ctx.terms = TermBook(ctx.facts.prompt_tokens, self.block_size, ctx.store_blocks, pred)
+        self.store_traffic.advance(now)  # O(1) amortised: what the store term and the record read
         queue_time, group = pred.queue.queue_time, self._group if pred.groups is None else pred.groups
         dev, loc = match.device, match.local
         prefill, pool = ctx.prefill, ctx.prefill_pool
@@ -557,6 +566,9 @@ class Scheduler:
             explanation=ch.record, kv_transfer_s=ch.kv_s,
             decode_first_step_s=ch.first_step_s, decode_wait_s=ch.decode_wait_s,
             policy=self.policy_name, host_tokens=terms.host_tokens)
+        traffic = self.store_traffic
+        placement.store_write_recent_bytes, placement.store_busy_s = traffic.recent_bytes, traffic.busy_s
+        placement.store_loads_inflight = traffic.loads
         if commit:
             decode_start = now + ch.ttft
             need = facts.prompt_tokens + facts.max_tokens
@@ -567,6 +579,13 @@ class Scheduler:
                                             output_tokens=max(1, facts.max_tokens)), now)
             if self._inflight:
                 self.inflight.add(rid, p.id, facts.block_hashes[:ctx.usable_blocks])
+            # what its prefill will write through to the store: the prompt's whole blocks the store lacks
+            new_blocks = facts.prompt_tokens // ctx.block_size - ctx.store_blocks
+            dep = self._deployment.get(p.id)
+            traffic.placed(rid, now, new_blocks * ctx.block_size * dep.model.kv_bytes_per_token
+                           if new_blocks > 0 and dep is not None else 0, terms.transfer_from == Tier.STORE,
+                           terms.transfer_s + p.queue_s + terms.prefill_s, terms.prefill_s,
+                           facts.prompt_tokens - terms.hit_tokens)
             self.counts["placed"] += 1
             self.decisions.append(ch.record)
         return placement

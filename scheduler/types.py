@@ -110,6 +110,10 @@ class Placement:
     decode_wait_s: float = 0.0  # after the prefill, waiting for room for the KV on the decode instance
     policy: str = ""
     host_tokens: int = 0  # of local_hit_tokens, loaded from the prefill instance's host tier first
+    # the shared store's traffic at decision (predictors/store_traffic.py): what a store load queues behind
+    store_write_recent_bytes: int = 0  # written through in the last window
+    store_busy_s: float = 0.0  # until the latest predicted end of a placed prefill whose last chunk runs now
+    store_loads_inflight: int = 0  # placed requests loading from the store, prefill not ended
 
 
 @dataclass(slots=True)

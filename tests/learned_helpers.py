@@ -13,7 +13,7 @@ from predictors.types import Tier
 DEPLOYMENT = "llama3-8b-h200"
 #: Known weights: inverse efficiencies and fixed costs in each feature's units.
 TRUE = {"prefill": (1.6, 1.9, 2.2, 0.4), "tbt": (1.5, 1.4, 3.0, 0.6, 2.0), "transfer": (0.004, 1.8),
-        "store": (0.002, 2.5)}
+        "store": (0.002, 2.5, 1.3)}
 
 
 def synth_records(n: int, seed: int = 0, noise: float = 0.0, max_prompt: int = 16_000,
@@ -23,7 +23,8 @@ def synth_records(n: int, seed: int = 0, noise: float = 0.0, max_prompt: int = 1
     """``n`` requests on one prefill and one decode instance, each finding the prefill instance
     idle; every term's time is its true weights times its features (or ``prefill_truth``), times
     lognormal noise of sigma ``noise``. A ``store_share`` of them load part of their cached prefix
-    from the shared store first (its time, ``TRUE["store"]`` over the load features, inside the leg).
+    from the shared store first (its time, ``TRUE["store"]`` over the load features, inside the leg),
+    half of those while the store's links were busy with write-through (``store_busy_s``).
     ``cluster_of(i / n)``: the cluster's decode load of request i (default: uniform 0-40)."""
     rng = random.Random(seed)
     load_rng = random.Random(~seed)  # its own stream: the other draws stay what they were
@@ -51,8 +52,9 @@ def synth_records(n: int, seed: int = 0, noise: float = 0.0, max_prompt: int = 1
                dot(TRUE["prefill"], prefill_features(r, ts, prompt, cached))) * jitter()
         tbt = dot(TRUE["tbt"], tbt_features(r, ts, running, kv, prompt, max_tokens, cluster))
         stored = cached // 2 // 16 * 16 if cached and rng.random() < store_share else 0
+        busy = rng.uniform(0.0, 0.3) * ts if stored and rng.random() < 0.5 else 0.0
         if stored:
-            pre += dot(TRUE["store"], load_features(r, ts, Tier.STORE, stored)) * jitter()
+            pre += dot(TRUE["store"], load_features(r, ts, Tier.STORE, stored, busy_s=busy)) * jitter()
         bw = d.net_bytes_per_s
         xfer = dot(TRUE["transfer"], transfer_features(r, ts, prompt, bw)) * jitter()
         rec = RequestRecord(f"r{i}", arrival_s=t, prompt_tokens=prompt, max_tokens=max_tokens, status="ok",
@@ -61,7 +63,7 @@ def synth_records(n: int, seed: int = 0, noise: float = 0.0, max_prompt: int = 1
                             decode_cluster_running=cluster,
                             predicted_decode_wait_s=0.0, prefill_deployment=deployment, decode_deployment=deployment,
                             sent_s=t, prefill_start_s=t, prefill_end_s=t + pre, transfer_tokens=stored,
-                            transfer_from=Tier.STORE if stored else None)
+                            transfer_from=Tier.STORE if stored else None, store_busy_s=busy)
         first = t + pre + xfer + tbt
         rec.decode_start_s = t + pre
         rec.first_token_s = first

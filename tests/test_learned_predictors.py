@@ -488,3 +488,85 @@ def test_a_term_worse_than_the_prior_held_out_is_left_to_the_prior():
     worse = _worse_than_prior({"prefill": m(200, 0.03, 0.09), "tbt": m(800, 0.05, 0.2),
                                "store_load": m(21, 0.48, 0.33), "handover": m(5, 0.9, 0.1)})
     assert set(worse) == {"store"} and "worse than the analytic prior" in worse["store"]  # 5 rows judge nothing
+
+
+def test_the_served_store_term_waits_for_the_links_the_gateway_sees_busy(tmp_path):
+    """Telemetry whose store loads waited for links busy with write-through (``store_busy_s``):
+    calibration recovers the wait's weight (TRUE["store"][2]) and serves it, reading the busy time
+    from the scheduler's StoreTraffic at decision; a load longer than the wait does not wait."""
+    from predictors.learned import load_features, physics
+    from predictors.store_traffic import StoreTraffic
+    from predictors.types import Tier
+    calibrate(synth_records(600, seed=21, store_share=0.5), str(tmp_path), draw=False)
+    assert load_models(str(tmp_path)).terms["store"].pooled.coef[2] == pytest.approx(TRUE["store"][2], rel=1e-6)
+    p = learned_predictors(str(tmp_path), online=False)
+    d = load_deployment(DEPLOYMENT)
+    p.register("p-1", d, 400_000)
+    traffic = StoreTraffic()
+    p.transfer.attach_store_traffic(traffic)
+    idle = p.transfer.transfer_time(1024, Tier.STORE, "p-1")
+    traffic.placed("other", 0.0, 1 << 30, False, 0.25, 0.25, 1000)  # a prefill on another instance ends at 0.25
+    traffic.advance(0.05)
+    busy = p.transfer.transfer_time(1024, Tier.STORE, "p-1")
+    own = load_features(physics(d), 1.0, Tier.STORE, 1024)[1]
+    assert busy - idle == pytest.approx(TRUE["store"][2] * (0.2 - own), rel=1e-6) and busy > idle
+    long_load = 400_000  # its own transfer outlasts the busy links: no wait added
+    assert load_features(physics(d), 1.0, Tier.STORE, long_load)[1] > 0.2
+    traffic.advance(0.05)
+    with_busy = p.transfer.transfer_time(long_load, Tier.STORE, "p-1")
+    traffic.done("other", 0.06)
+    traffic.advance(0.06)
+    assert p.transfer.transfer_time(long_load, Tier.STORE, "p-1") == pytest.approx(with_busy)
+
+
+def test_a_model_file_with_the_earlier_two_feature_store_term_still_serves(tmp_path):
+    from predictors.learned import TRANSFER_FEATURES
+    calibrate(synth_records(400, seed=3, store_share=0.3), str(tmp_path), draw=False)
+    raw = json.loads((tmp_path / "models.json").read_text())
+    st = raw["terms"]["store"]
+    st["features"] = list(TRANSFER_FEATURES)
+    for m in [st["pooled"], *st["groups"].values()]:
+        m["coef"] = m["coef"][:2]
+        m["p90_coef"] = None if m["p90_coef"] is None else m["p90_coef"][:2]
+    models = parse_models(raw)
+    assert models.terms["store"].pooled.coef[2] == 0.0 and len(models.terms["store"].pooled.coef) == 3
+    st["features"] = ["latency_s"]
+    with pytest.raises(ModelError, match="recalibrate"):
+        parse_models(raw)
+
+
+def test_a_store_load_is_not_corrected_online_only_its_live_error_is_tracked(tmp_path):
+    """A store load observed at its end (its leg minus the prefill, which prefills joining the
+    instance later can stretch) updates the live error, judged at the busy time recorded at its
+    decision, but never the served factor: a leg stretched 3x leaves the store term as fitted."""
+    from predictors.learned import load_features, physics
+    from predictors.store_traffic import StoreTraffic
+    from predictors.types import Tier
+    calibrate(synth_records(600, seed=21, store_share=0.5), str(tmp_path), draw=False)
+    p = learned_predictors(str(tmp_path), online=True)
+    d = load_deployment(DEPLOYMENT)
+    p.register("p-1", d, 400_000)
+    p.register("d-1", d, 400_000)
+    traffic = StoreTraffic()
+    p.transfer.attach_store_traffic(traffic)
+    traffic.placed("other", 0.0, 1 << 30, False, 0.6, 0.6, 1000)
+    traffic.advance(0.05)  # busy now: 0.55 s
+    tokens, busy = 2048, 0.15
+    load = sum(w * x for w, x in zip(TRUE["store"], load_features(physics(d), 1.0, Tier.STORE, tokens, 1, busy),
+                                     strict=True))
+    served = p.transfer.transfer_time(tokens, Tier.STORE, "p-1")
+    prefill = p.prefill.prefill_time("p-1", 8192, 4096)
+    b = p.bundle
+    key = b.correction_key("store", "p-1")
+    for i, stretch in enumerate((1.0, 3.0)):
+        rec = RequestRecord(f"s{i}", 0.0, prompt_tokens=8192, max_tokens=4, status="ok", decided_s=0.0,
+                            prefill_instance="p-1", decode_instance="d-1", hit_tokens=4096, local_hit_tokens=2048,
+                            transfer_tokens=tokens, transfer_from=Tier.STORE, store_busy_s=busy,
+                            predicted_transfer_s=load, prefill_start_s=0.0,
+                            prefill_end_s=(load + prefill) * stretch)
+        b.observe(rec)
+        if i == 0:  # judged at the decision's busy time: an exact prediction
+            assert b.ewma["store"].abs_err[key] == pytest.approx(0.0, abs=1e-6)
+    assert b.ewma["store"].count[key] == 2 and b.ewma["store"].abs_err[key] > 0
+    assert b.ewma["store"].get(key) == 1.0
+    assert p.transfer.transfer_time(tokens, Tier.STORE, "p-1") == served

@@ -32,6 +32,7 @@ GOLDEN = Path(__file__).parent / "data" / "simulate_golden.json"
 #: RequestRecord fields added after the golden runs (more decision features, no figure moved)
 ADDED_SINCE = frozenset({"predicted_decode_wait_s", "predicted_kv_transfer_s", "predicted_first_step_s",
                          "prefill_deployment", "decode_deployment", "transfer_from", "host_load_tokens",
+                         "store_write_recent_bytes", "store_busy_s", "store_loads_inflight",
                          "decode_cluster_running"})
 
 
