@@ -61,15 +61,7 @@ def decide_all(out, policy: str, models: str | None, opts: dict, n: int) -> None
         out.write(line(policy, label, f.request_id, getattr(d, "prefill", None), getattr(d, "decode", None),
                        getattr(d, "ttft_s", None), getattr(d, "tbt_s", None), getattr(d, "reason", None),
                        digest(d.explanation)))
-        if hasattr(d, "prefill"):
-            live.append(f.request_id)
-        if len(live) > 256:
-            done = live.pop(rng.randrange(len(live) // 2))
-            sched.prefill_done(done)
-            sched.release(done)
-        for rid in live[-4:]:
-            if rng.random() < 0.1:
-                sched.prefill_done(rid)
+        dl.advance(sched, rng, live, f.request_id if hasattr(d, "prefill") else None, 256)
         if k % 97 == 0:
             sched.observe_load(f"d{rng.randrange(64):02d}", running=rng.randrange(40), waiting=rng.randrange(5),
                                kv_usage=rng.random())

@@ -162,16 +162,22 @@ def run(sched: Scheduler, world: dict, reqs: Iterator[RequestFacts], warmup: int
             lat.append((t1 - t0) / 1e6)
             if cpu is not None:
                 cpu.append((c1 - c0) / 1e6)
-        if hasattr(d, "prefill"):
-            live.append(f.request_id)
-        if len(live) > in_flight:
-            done = live.pop(rng.randrange(len(live) // 2))
-            sched.prefill_done(done)
-            sched.release(done)
-        for rid in live[-4:]:
-            if rng.random() < 0.1:
-                sched.prefill_done(rid)
+        advance(sched, rng, live, f.request_id if hasattr(d, "prefill") else None, in_flight)
     return lat
+
+
+def advance(sched: Scheduler, rng: random.Random, live: list[str], placed: str | None, in_flight: int) -> None:
+    """The stream moves on after a decision: ``placed`` joins the live requests, one of the older
+    half finishes once over ``in_flight``, and a few of the newest end their prefill."""
+    if placed is not None:
+        live.append(placed)
+    if len(live) > in_flight:
+        done = live.pop(rng.randrange(len(live) // 2))
+        sched.prefill_done(done)
+        sched.release(done)
+    for rid in live[-4:]:
+        if rng.random() < 0.1:
+            sched.prefill_done(rid)
 
 
 def interleaved(worlds: dict[str, tuple[Scheduler, dict]], n: int, warmup: int, block: int = 100
