@@ -91,7 +91,3 @@ class StoreTraffic:
 
     def __len__(self) -> int:
         return len(self._live)
-
-    def snapshot(self) -> dict[str, float | int]:
-        return {"window_s": self.window_s, "recent_bytes": self.recent_bytes, "busy_s": self.busy_s,
-                "loads": self.loads, "prefills": len(self._live)}
