@@ -137,9 +137,9 @@ it:
   maximised. Bound = LP optimum / requests sent.
 - Left out (each only raises the bound): decode capacity and TBT, KV capacity and eviction,
   queueing behind a running step, network contention, the engine's first-come-first-served order.
-- Noise: the engine multiplies each step by exp(N(0, sigma)), sigma {sigma:.4f}, which has no hard floor. "Attainment bound" uses the mean step
-  times (exact for `noise = 0`); the next column scales *every* step by exp(-{a.noise_z:g} sigma) = {f:.3f},
-  sound unless some step ran faster than that.
+- Noise: the engine multiplies each step by exp(N(0, sigma)), sigma {sigma:.4f}, which has no hard
+  floor. "Attainment bound" uses the mean step times (exact for `noise = 0`); the next column scales
+  *every* step by exp(-{a.noise_z:g} sigma) = {f:.3f}, sound unless some step ran faster than that.
 
 "Ceiling" = bound / the best other policy's measured attainment in goodput-curves/results.json: the
 largest goodput ratio over it that any policy (conductor included) could have at that point.

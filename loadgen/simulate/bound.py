@@ -13,12 +13,15 @@ predictor: it never serves a decision). Three parts, each never above the truth:
   the sum of its tokens' shares (tests check this against the step timer). Tokens shared with an
   *earlier* request are free (unbounded cache): each block is paid by the first arrival holding
   it, and if a later arrival computed it first the work still lies in the first one's window.
-* **Reachability** (``prefill_wall``, ``handover_s``): the least time from arrival to first
-  token: the prefill's own steps, each at least a lone chunk of it plus its attention at the
-  densest step, however chunked; then the least hand-over: the KV pull of what the decode
-  instance lacks on an idle link, and one decode step. Here the longest prefix shared with *any*
-  request arriving before the deadline counts as cached. A request whose least TTFT exceeds the
-  SLO is unreachable: x = 0.
+* **Reachability** (``prefill_end``, ``handover_s``): the least time from arrival to first
+  token. Blocks no earlier arrival holds were in no cache before the arrival, and whoever computes
+  them (this request, or a later arrival with the same prefix) does so chunk after chunk in prefix
+  order, each chunk's step lasting at least that chunk alone plus its attention in the densest
+  step, however chunked (``prefill_wall``). Blocks shared with an earlier arrival count as cached
+  from when their first holder could have computed them. Then the least hand-over:
+  the KV pull on an idle link of what the decode instance could lack (any request arriving before
+  the deadline may have left the prefix there), and one decode step. A request whose least TTFT
+  exceeds the SLO is unreachable: x = 0.
 * **Capacity** (``lp_bound``): time slots; x_i in [0, 1] the served fraction, y_it >= 0 its work
   in slot t, only in slots overlapping [arrival, deadline - least hand-over], sum_t y_it = work_i
   x_i, y_it <= slot (one instance at a time), sum_i y_it <= prefill instances x slot. Maximise
@@ -41,7 +44,6 @@ from scipy.sparse import csr_matrix
 
 from engines_adapters.sim.profiles import Profile
 from engines_adapters.sim.timing import StepTimer
-
 
 #: ``prefill_tokens`` that puts the long-context attention factor at its floor (1): the limit of a
 #: step diluted by ever more short-context tokens
@@ -118,10 +120,12 @@ def handover_s(c: StepCosts, profile: Profile, prompt: int, on_decode: int, net_
     return transfer + noise * step
 
 
-def shared_prefixes(hashes: list[list[int]], arrivals: list[float], deadlines: list[float]) -> tuple[list[int],
-                                                                                                     list[int]]:
-    """Per request, leading blocks shared with (a) an earlier arrival, (b) any other request arriving
-    before its deadline. Hashes are chained, so a shared block means a shared prefix up to it."""
+def shared_prefixes(hashes: list[list[int]], arrivals: list[float],
+                    deadlines: list[float]) -> tuple[list[int], list[int], list[list[tuple[int, int]]]]:
+    """Per request: leading blocks shared with an earlier arrival; leading blocks shared with any
+    other request arriving before its deadline; and the first (earliest) holder of each of the
+    former, run-length encoded as (end block, holder). Hashes are chained, so a shared block means
+    a shared prefix up to it."""
     first: dict[int, tuple[float, int]] = {}  # block -> the two earliest (arrival, request) holding it
     second: dict[int, tuple[float, int]] = {}
     for i, hs in enumerate(hashes):
@@ -134,12 +138,18 @@ def shared_prefixes(hashes: list[list[int]], arrivals: list[float], deadlines: l
                 first[h] = e
             elif h not in second or e < second[h]:
                 second[h] = e
-    earlier, window = [], []
+    earlier, window, holders = [], [], []
     for i, hs in enumerate(hashes):
-        k = 0
+        k, runs = 0, []
         while k < len(hs) and first[hs[k]][1] != i:
+            j = first[hs[k]][1]
+            if runs and runs[-1][1] == j:
+                runs[-1] = (k + 1, j)
+            else:
+                runs.append((k + 1, j))
             k += 1
         earlier.append(k)
+        holders.append(runs)
         k = 0
         while k < len(hs):
             f = first[hs[k]]
@@ -148,7 +158,30 @@ def shared_prefixes(hashes: list[list[int]], arrivals: list[float], deadlines: l
                 break
             k += 1
         window.append(k)
-    return earlier, window
+    return earlier, window, holders
+
+
+def prefill_end(c: StepCosts, i: int, prompts: list[int], arrivals: list[float], earlier: list[int],
+                holders: list[list[tuple[int, int]]], block_size: int, speed: float = 1.0, grain: int = 32) -> float:
+    """Least end time of request i's prefill. With m blocks cached when it starts its own chunks,
+    it ends at least max(arrival, when block m-1 can first be cached) + its own wall time from m
+    blocks on. Block m-1 was first held by h (no earlier arrival holds it): it and the blocks
+    from h's own earlier-shared prefix up to it are computed in order after h arrives. Taken over
+    every m, ``grain`` blocks at a time at each range's most favourable ends (within one holder's
+    run the first time rises with m and the second falls), so the minimum is never overshot."""
+    bs, p = block_size, prompts[i]
+    best = arrivals[i] + speed * prefill_wall(c, p, 0)
+    cap = (p - 1) // bs  # the engine computes one token at least
+    start = 0
+    for end, h in holders[i]:
+        lo, hi = start + 1, min(end, cap)
+        start = end
+        for m1 in range(lo, hi + 1, grain):
+            ready = max(arrivals[i], arrivals[h] + speed * (prefill_wall(c, m1 * bs, earlier[h] * bs) - c.sample_s))
+            if ready >= best:  # later m in this run are cached later still
+                break
+            best = min(best, ready + speed * prefill_wall(c, p, min(hi, m1 + grain - 1) * bs))
+    return best
 
 
 def lp_bound(arrivals: np.ndarray, ends: np.ndarray, work: np.ndarray, instances: int, slot_s: float) -> dict[str, Any]:
@@ -192,12 +225,11 @@ def attainment_bound(arrivals: list[float], blocks: list[tuple[int, list[int]]],
     prompts = [p for p, _ in blocks]
     arr = np.asarray(arrivals, dtype=float)
     deadlines = arr + ttft_s
-    earlier, window = shared_prefixes([h for _, h in blocks], list(arr), list(deadlines))
+    earlier, window, holders = shared_prefixes([h for _, h in blocks], list(arr), list(deadlines))
     work, ends, least = [], [], []
     for i, p in enumerate(prompts):
-        usable = min(window[i], (p - 1) // block_size) * block_size  # the engine computes a token at least
         h = handover_s(c, profile, p, window[i] * block_size, net, f)
-        least.append(f * prefill_wall(c, p, usable) + h)
+        least.append(prefill_end(c, i, prompts, list(arr), earlier, holders, block_size, f) - arr[i] + h)
         ends.append(deadlines[i] - h)
         refused = p + 1 > profile.max_model_len  # the engine answers 400
         work.append(math.inf if refused or least[-1] > ttft_s else f * prefill_work(c, p, earlier[i] * block_size))
