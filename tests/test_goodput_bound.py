@@ -39,9 +39,9 @@ def test_lp_respects_windows_and_one_instance_at_a_time():
     assert lp([0.0, 0.0, 1.0], [1.0, 1.0, 2.0], [1, 1, 1], 1, 1.0)["optimum"] == pytest.approx(2.0)
     # 2 s of work in a 1 s window: 4 idle instances do not help (a prefill runs on one at a time)
     assert lp([0.0], [1.0], [2.0], 4, 1.0)["optimum"] == pytest.approx(0.5)
-    # a window partly overlapping a slot may use the whole slot (the conservative rounding); the
-    # first request (no window) only sets the grid's origin
-    assert lp([0.0, 0.5], [0.0, 1.2], [1.0, 2.0], 1, 1.0)["optimum"] == pytest.approx(1.0)
+    # a window partly overlapping slots works in them only while it overlaps them: [0.5, 1.2] holds
+    # 0.7 s of work (the first request, without a window, only sets the grid's origin)
+    assert lp([0.0, 0.5], [0.0, 1.2], [1.0, 1.4], 1, 1.0)["optimum"] == pytest.approx(0.5)
 
 
 def test_lp_gives_no_share_to_a_request_without_a_window_or_with_infinite_work():

@@ -13,6 +13,7 @@ the engine's noise faster. Writes docs/experiments/goodput-bound.md and goodput-
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -27,6 +28,7 @@ from engines_adapters.sim.profiles import load_profile  # noqa: E402
 from loadgen.arrivals import sped_up  # noqa: E402
 from loadgen.simulate.bound import attainment_bound  # noqa: E402
 from loadgen.simulate.reuse import prompt_blocks  # noqa: E402
+from predictors.telemetry import SLO  # noqa: E402
 
 PAGE = "goodput-bound"
 TARGET = 1.2  # issue 15: conductor >= 1.2x the best other policy
@@ -51,9 +53,30 @@ def verdict(mean_ceiling: float, noisy_ceiling: float) -> str:
     return "not excluded"
 
 
+def check(a: argparse.Namespace, spec: Any, w: Any, pt: dict[str, Any], tbt_s: float,
+          bounds: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Soundness against real runs: simulate ``--check`` policies (oracle predictors, admitting
+    against the SLO) on slice ``w`` (sped up by the sweep) at the point; no request's TTFT may be
+    below its least TTFT, no run's attainment above the bound."""
+    slo = SLO(pt["ttft_s"], tbt_s)
+    o = C.sweep(w, spec, a.check.split(","), loads=[pt["load"]], metric_slo=slo, admission_slo=slo,
+                predictors="oracle", workers=a.workers)
+    where = {q.index: i for i, q in enumerate(w.requests)}
+    out = []
+    for step in o.steps:
+        done = [(r.ttft_s, where[int(r.request_id.rsplit("-r", 1)[1])]) for r in step.records if r.ttft_s is not None]
+        least = {k: b["least_ttft_s"] for k, b in bounds.items()}
+        out.append({"policy": step.policy, "served": len(done),
+                    "ttft_attainment": sum(r.meets(SLO(pt["ttft_s"], None)) for r in step.records) / len(w.requests),
+                    "attainment": sum(r.meets(slo) for r in step.records) / len(w.requests),
+                    "min_ttft_over_least": min((t / least["mean"][i] for t, i in done), default=None),
+                    "below_least": {k: int(sum(t < v[i] for t, i in done)) for k, v in least.items()}})
+    return out
+
+
 def bound_points(a: argparse.Namespace, measured: dict[str, Any]) -> list[dict[str, Any]]:
     profile = load_profile(measured["profile"])
-    spec = C.cluster(measured["prefill"], measured["decode"])
+    spec = dataclasses.replace(C.cluster(measured["prefill"], measured["decode"]), profile=measured["profile"])
     sigma = engine_sigma(measured["profile"], spec.noise)
     out = []
     for r in measured["results"]:
@@ -81,6 +104,13 @@ def bound_points(a: argparse.Namespace, measured: dict[str, Any]) -> list[dict[s
                       for k, b in (("mean", mean), ("noisy", noisy))}}
             row["ceiling_mean"] = mean["attainment_bound"] / best
             row["ceiling_noisy"] = noisy["attainment_bound"] / best
+            if a.check:
+                row["check"] = check(a, spec, w, pt, measured["slo_tbt_ms"] / 1000,
+                                     {"mean": mean, "noisy": noisy})
+                print("    check: " + "; ".join(
+                    f"{c['policy']} TTFT attainment {c['ttft_attainment']:.3f}, min TTFT / least "
+                    f"{c['min_ttft_over_least']:.3f}, below least {c['below_least']['mean']} "
+                    f"({c['below_least']['noisy']})" for c in row["check"]), file=sys.stderr, flush=True)
             out.append(row)
             print(f"  {name} TTFT {pt['ttft_s']:g}s {row['load_label']}: bound {mean['attainment_bound']:.3f} "
                   f"({noisy['attainment_bound']:.3f} at -{a.noise_z:g} sigma), unreachable {mean['unreachable']} "
@@ -106,13 +136,22 @@ def render(rows: list[dict[str, Any]], a: argparse.Namespace, measured: dict[str
           verdict(r["ceiling_mean"], r["ceiling_noisy"])] for r in rows])
     sizes = C.md_table(
         ["workload", "TTFT SLO", "load", "slot (s)", "slots", "LP variables", "LP constraints", "solve (s)",
-         f"solve at -{a.noise_z:g} sigma (s)", "least prefill work (instance-s)", "prefill capacity (instance-s)"],
+         f"solve at -{a.noise_z:g} sigma (s)", "least prefill work of the reachable (instance-s)", "prefill capacity, first arrival to last deadline (instance-s)"],
         [[r["workload"], f"{r['ttft_s']:g} s", r["load_label"], f"{r['ttft_s'] / a.slots_per_slo:g}",
           r["mean"]["lp"]["slots"], r["mean"]["lp"]["variables"], r["mean"]["lp"]["constraints"],
           f"{r['mean']['lp']['solve_s']:.2f}", f"{r['noisy']['lp']['solve_s']:.2f}", f"{r['mean']['work_s']:.0f}",
           f"{r['mean']['capacity_s']:.0f}"] for r in rows])
+    checks = [[r["workload"], f"{r['ttft_s']:g} s", r["load_label"], c["policy"], c["served"],
+               C.pct(c["ttft_attainment"]), C.pct(c["attainment"]), C.pct(r["mean"]["attainment_bound"]),
+               f"{c['min_ttft_over_least']:.3f}" if c["min_ttft_over_least"] is not None else "-",
+               f"{c['below_least']['mean']} ({c['below_least']['noisy']})"]
+              for r in rows for c in r.get("check", [])]
+    check_table = C.md_table(
+        ["workload", "TTFT SLO", "load", "policy (oracle predictors)", "served", "TTFT attainment",
+         "attainment (TTFT and TBT)", "attainment bound", "actual / least TTFT, min", "below least TTFT"],
+        checks) if checks else "(not run: `--check ''`)\n"
     return f"""
-**Command** (regenerates this block and results.json; seconds, no simulation):
+**Command** (regenerates this block and results.json):
 
 ```
 {command}
@@ -124,11 +163,12 @@ attainment (TTFT <= SLO over requests sent) that **no** policy could exceed, wha
 admission or order, computed by `loadgen/simulate/bound.py` from the sim engine's own step-time
 model (an offline analysis; no predictor reads it). A relaxation, so every real schedule is feasible in
 it:
-- *Least TTFT per request*: its prefill with the longest prefix it shares with any request arriving
-  before its deadline already cached (unbounded reuse), however the engine chunks it, each step at
-  least that chunk alone plus its attention in the densest step; then the least hand-over (the KV
-  pull of what its decode instance could lack, on an idle link, and one decode step). Over the SLO:
-  *unreachable* for every policy.
+- *Least TTFT per request*: its prefill with the prefix it shares with earlier arrivals cached
+  (unbounded reuse) from the earliest time their first holder could have computed it; the blocks no
+  earlier arrival holds computed after it arrives, in prefix order (by it or by a later arrival
+  sharing them), however the engine chunks them, each step at least that chunk alone plus its
+  attention in the densest step; then the least hand-over (the KV pull of what its decode instance
+  could lack, on an idle link, and one decode step). Over the SLO: *unreachable* for every policy.
 - *Capacity*: a slot LP (HiGHS; slot = SLO / {a.slots_per_slo}) over the {measured['prefill']} prefill
   instances: each request's least prefill work (every token at the engine's best per-token
   efficiency: a full {C.cluster().engine['max_num_batched_tokens']}-token step, attention at its
@@ -151,7 +191,13 @@ measured conductor stands below the mean-time bound.
 {table}
 **LP sizes and solve times** (one process, on 2 cores shared with other work):
 
-{sizes}"""
+{sizes}
+**Soundness check against real runs.** The `--check` policies simulated at every point (same slice,
+cluster and seed; oracle predictors, admitting against the SLO): their attainment must stay below the
+bound, and no served request's TTFT below its least TTFT ("below least": at mean step times; in
+brackets at -{a.noise_z:g} sigma, the only count the argument requires to be 0).
+
+{check_table}"""
 
 
 def main() -> None:
@@ -160,6 +206,9 @@ def main() -> None:
     p.add_argument("--noise-z", type=float, default=4.0,
                    help="the noisy bound: every engine step this many sigma faster than its mean (default 4)")
     p.add_argument("--slots-per-slo", type=int, default=20, help="LP time slots per TTFT SLO (default 20)")
+    p.add_argument("--check", default="conductor,round_robin",
+                   help="policies simulated at every point against the bound (oracle predictors; '' skips)")
+    p.add_argument("--workers", type=int, default=2, help="parallel simulations for --check (default 2)")
     p.add_argument("--from-results", action="store_true", help="re-render the page from its results.json")
     a = p.parse_args()
     if a.noise_z < 0 or a.slots_per_slo < 1:

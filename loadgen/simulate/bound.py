@@ -24,9 +24,9 @@ predictor: it never serves a decision). Three parts, each never above the truth:
   exceeds the SLO is unreachable: x = 0.
 * **Capacity** (``lp_bound``): time slots; x_i in [0, 1] the served fraction, y_it >= 0 its work
   in slot t, only in slots overlapping [arrival, deadline - least hand-over], sum_t y_it = work_i
-  x_i, y_it <= slot (one instance at a time), sum_i y_it <= prefill instances x slot. Maximise
-  sum x_i (pooled, preemptive and fractional: a superset of real schedules). Decode capacity and
-  TBT are left out, which only loosens the bound.
+  x_i, y_it <= its window's overlap with the slot (one instance at a time), sum_i y_it <= prefill
+  instances x slot. Maximise sum x_i (pooled, preemptive and fractional: a superset of real
+  schedules). Decode capacity and TBT are left out, which only loosens the bound.
 
 Engine noise multiplies each step by exp(N(0, sigma)): no hard floor exists, so every duration is
 scaled by ``exp(-z sigma)`` (``noise_z`` standard deviations faster than the mean, on every step).
@@ -203,7 +203,10 @@ def lp_bound(arrivals: np.ndarray, ends: np.ndarray, work: np.ndarray, instances
     vals = np.concatenate([np.ones(ny), -np.where(ok, work, 0.0)])
     a_eq = csr_matrix((vals, (rows, cols)), shape=(n, n + ny))
     a_ub = csr_matrix((np.ones(ny), (slot, n + np.arange(ny))), shape=(slots, n + ny))
-    bounds = np.column_stack([np.zeros(n + ny), np.concatenate([ok.astype(float), np.full(ny, slot_s)])])
+    # a request works in a slot at most while its window overlaps it
+    overlap = (np.minimum(t0 + (slot + 1) * slot_s, ends[owner]) - np.maximum(t0 + slot * slot_s, arrivals[owner])
+               if ny else np.zeros(0))
+    bounds = np.column_stack([np.zeros(n + ny), np.concatenate([ok.astype(float), np.clip(overlap, 0.0, slot_s)])])
     t = time.perf_counter()
     res = linprog(np.concatenate([-np.ones(n), np.zeros(ny)]), A_ub=a_ub, b_ub=np.full(slots, instances * slot_s),
                   A_eq=a_eq, b_eq=np.zeros(n), bounds=bounds, method="highs")
@@ -227,9 +230,10 @@ def attainment_bound(arrivals: list[float], blocks: list[tuple[int, list[int]]],
     deadlines = arr + ttft_s
     earlier, window, holders = shared_prefixes([h for _, h in blocks], list(arr), list(deadlines))
     work, ends, least = [], [], []
+    times = [float(t) for t in arr]
     for i, p in enumerate(prompts):
         h = handover_s(c, profile, p, window[i] * block_size, net, f)
-        least.append(prefill_end(c, i, prompts, list(arr), earlier, holders, block_size, f) - arr[i] + h)
+        least.append(prefill_end(c, i, prompts, times, earlier, holders, block_size, f) - times[i] + h)
         ends.append(deadlines[i] - h)
         refused = p + 1 > profile.max_model_len  # the engine answers 400
         work.append(math.inf if refused or least[-1] > ttft_s else f * prefill_work(c, p, earlier[i] * block_size))
