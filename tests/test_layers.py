@@ -37,9 +37,10 @@ SIM_EXCEPTIONS: dict[str, tuple[str, ...]] = {
     # the virtual-time simulator drives the sim engine's EngineModel in-process
     "loadgen/simulate/": (SIM,),
 }
-#: ... and of those, the one reader of the private calibration: the simulator's oracle predictors
-#: (the upper bound a predictor could reach).
-CALIBRATION_READERS = ("loadgen/simulate/oracle.py",)
+#: ... and of those, the readers of the private calibration: the simulator's oracle predictors
+#: (the upper bound a predictor could reach) and the offline attainment bound (what any policy could
+#: reach; it never serves a decision).
+CALIBRATION_READERS = ("loadgen/simulate/oracle.py", "loadgen/simulate/bound.py")
 
 
 def _module_name(rel: Path) -> str:

@@ -10,6 +10,7 @@ engines report.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 from typing import Any
 
 from engines_adapters.tokenizer import ByteTokenizer
@@ -20,18 +21,25 @@ from ..workload import Workload
 from .run import prompt_tokens
 
 
+def prompt_blocks(workload: Workload, block_size: int, endpoint: str = "chat",
+                  salt: str = "sim") -> Iterator[tuple[int, list[int]]]:
+    """(prompt tokens, chained block hashes) of each request in order, as the simulated engines
+    see them (``salt``: the simulator's, ``sim-<seed>``)."""
+    synth, framing, tok = PromptSynth(workload.block_tokens, salt), ChatFraming.of(), ByteTokenizer()
+    for req in workload.requests:
+        tokens = prompt_tokens(req, synth, framing, endpoint, tok)
+        yield len(tokens), block_hashes(tokens, block_size)
+
+
 def reuse_bound(workload: Workload, block_size: int, capacity_tokens: int, endpoint: str = "chat",
                 salt: str = "sim") -> dict[str, Any]:
-    synth, framing, tok = PromptSynth(workload.block_tokens, salt), ChatFraming.of(), ByteTokenizer()
     cap = max(1, capacity_tokens // block_size)
     lru: OrderedDict[int, None] = OrderedDict()
     seen: set[int] = set()
     total = hit_lru = hit_inf = 0
-    for req in workload.requests:
-        tokens = prompt_tokens(req, synth, framing, endpoint, tok)
-        hashes = block_hashes(tokens, block_size)
-        usable = min(len(hashes), (len(tokens) - 1) // block_size)
-        total += len(tokens)
+    for n_tokens, hashes in prompt_blocks(workload, block_size, endpoint, salt):
+        usable = min(len(hashes), (n_tokens - 1) // block_size)
+        total += n_tokens
         k = 0
         while k < usable and hashes[k] in lru:
             k += 1

@@ -1,0 +1,128 @@
+"""The attainment bound (loadgen/simulate/bound.py): its LP on hand-built instances with known
+optima, its cost decomposition against the engine's step timer, and soundness against real
+simulated runs (no request beats its least TTFT; no policy beats the bound)."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+
+import numpy as np
+import pytest
+
+from engines_adapters.sim.profiles import load_profile
+from engines_adapters.sim.timing import chunk_ctx
+from loadgen.arrivals import sped_up
+from loadgen.simulate.bound import attainment_bound, lp_bound, prefill_wall, shared_prefixes, step_costs
+from loadgen.simulate.cluster import ClusterSpec, SchedulerSpec
+from loadgen.simulate.reuse import prompt_blocks
+from loadgen.simulate.run import simulate
+from loadgen.workload import BUNDLED_TRACES, read_trace
+from predictors.telemetry import SLO
+
+GAP = "llama3-70b-a800x8-gap"
+
+
+def lp(arrivals, ends, work, instances, slot):
+    return lp_bound(np.array(arrivals, float), np.array(ends, float), np.array(work, float), instances, slot)
+
+
+def test_lp_fills_capacity_with_the_cheapest_work():
+    # one instance, two 1 s slots: B (1 s) whole, then half of A (2 s)
+    r = lp([0.0, 0.0], [2.0, 2.0], [2.0, 1.0], 1, 1.0)
+    assert r["optimum"] == pytest.approx(1.5)
+    assert r["x"][1] == pytest.approx(1.0) and r["x"][0] == pytest.approx(0.5)
+
+
+def test_lp_respects_windows_and_one_instance_at_a_time():
+    # three 1 s requests, two in slot 0 and one in slot 1, one instance: 2 fit
+    assert lp([0.0, 0.0, 1.0], [1.0, 1.0, 2.0], [1, 1, 1], 1, 1.0)["optimum"] == pytest.approx(2.0)
+    # 2 s of work in a 1 s window: 4 idle instances do not help (a prefill runs on one at a time)
+    assert lp([0.0], [1.0], [2.0], 4, 1.0)["optimum"] == pytest.approx(0.5)
+    # a window partly overlapping slots works in them only while it overlaps them: [0.5, 1.2] holds
+    # 0.7 s of work (the first request, without a window, only sets the grid's origin)
+    assert lp([0.0, 0.5], [0.0, 1.2], [1.0, 1.4], 1, 1.0)["optimum"] == pytest.approx(0.5)
+
+
+def test_lp_gives_no_share_to_a_request_without_a_window_or_with_infinite_work():
+    r = lp([0.0, 0.0, 0.0], [-1.0, 1.0, 1.0], [0.1, math.inf, 0.1], 1, 1.0)
+    assert list(r["x"]) == pytest.approx([0.0, 0.0, 1.0])
+
+
+def test_unreachable_request_gets_nothing():
+    prof = load_profile(GAP)
+    long_prompt = 100_000  # ~15 s of prefill alone on 8 x A800: over a 5 s SLO on any instance
+    blocks = [(long_prompt, list(range(1, long_prompt // 16 + 1))), (500, list(range(10**7, 10**7 + 31)))]
+    r = attainment_bound([0.0, 0.0], blocks, prof, prefill=8, ttft_s=5.0)
+    assert r["unreachable"] == 1
+    assert r["least_ttft_s"][0] > 5.0 > r["least_ttft_s"][1]
+    assert r["x"][0] == 0.0 and r["x"][1] == pytest.approx(1.0)
+    assert r["attainment_bound"] == pytest.approx(0.5)
+    # a later request extending it: its prefix is cached no earlier than the first could compute it
+    shared = [(long_prompt, blocks[0][1]), (long_prompt + 16, [*blocks[0][1], 999])]
+    r = attainment_bound([0.0, 1.0], shared, prof, prefill=8, ttft_s=5.0)
+    assert r["unreachable"] == 2
+    alone = prefill_wall(step_costs(prof), long_prompt, 0)  # ~25 s
+    assert alone - 1.0 - 0.2 < r["least_ttft_s"][1] < r["least_ttft_s"][0]
+    # ... but 40 s later, all of it may be cached: only its last block is left to compute
+    r = attainment_bound([0.0, 40.0], shared, prof, prefill=8, ttft_s=5.0)
+    assert r["unreachable"] == 1 and r["least_ttft_s"][1] < 1.0 and r["x"][1] == pytest.approx(1.0)
+
+
+def test_shared_prefixes_earlier_and_within_the_deadline():
+    a, b, c = [1, 2, 3], [1, 2, 9], [1, 7]
+    earlier, window, holders = shared_prefixes([a, b, c], [0.0, 1.0, 10.0], [5.0, 6.0, 15.0])
+    assert earlier == [0, 2, 1]
+    assert window == [2, 2, 1]  # a may reuse b's prefix (b arrives before a's deadline)
+    assert holders == [[], [(2, 0)], [(1, 0)]]
+
+
+@pytest.mark.parametrize("name", ["llama3-70b-a800x8-gap", "llama3-8b-h200-gap", "llama3-70b-a800x8"])
+def test_costs_never_exceed_the_step_timer(name):
+    """Every step of random prefill chunks lasts at least the sum of its chunks' work shares, and at
+    least each chunk's own lone-chunk-plus-densest-attention share (what prefill_wall sums)."""
+    c = step_costs(load_profile(name), 8192)
+    rng = random.Random(0)
+    for _ in range(300):
+        chunks, room = [], 8192
+        while room > 0 and len(chunks) < rng.randint(1, 6):
+            n = rng.randint(1, room)
+            chunks.append((n, rng.choice([0, rng.randint(0, 120_000)])))
+            room -= n
+        sampled = rng.randint(0, len(chunks))
+        tokens = sum(n for n, _ in chunks)
+        ctx = sum(chunk_ctx(start, n) for n, start in chunks)
+        step = c.timer.duration(tokens, sampled, ctx, 0, tokens)
+        work = sum(n * c.token_s + c.ctx_s * chunk_ctx(start, n) for n, start in chunks) + sampled * c.sample_s
+        assert work <= step * (1 + 1e-12)
+        for n, start in chunks:
+            assert c.chunk_s + n * c.chunk_token_s + c.attention(chunk_ctx(start, n)) <= step * (1 + 1e-12)
+
+
+@pytest.fixture(scope="module")
+def conversation():
+    w = read_trace(str(BUNDLED_TRACES / "mooncake_conversation_trace.jsonl"), limit=150)
+    return sped_up(w, 2.0)
+
+
+@pytest.mark.parametrize("noise", [0.0, 0.02])
+def test_no_simulated_policy_beats_the_bound(conversation, noise):
+    """conductor and round robin on a simulated 2P+2D gap cluster: no request's TTFT is below its
+    least TTFT, and no run's attainment above the bound (noise on: steps at -4 sigma)."""
+    slo = SLO(5.0, None)
+    spec = ClusterSpec(prefill=2, decode=2, profile=GAP, noise=noise,
+                       engine={"max_num_batched_tokens": 8192, "max_num_seqs": 256, "host_tier_tokens": 0})
+    prof = load_profile(GAP)
+    sigma = math.hypot(noise, prof.efficiency["extra_noise"]) if noise else 0.0
+    blocks = list(prompt_blocks(conversation, 16, "chat", "sim"))
+    b = attainment_bound([r.arrival_s for r in conversation.requests], blocks, prof, prefill=2, ttft_s=5.0,
+                         noise_sigma=sigma, noise_z=4.0)
+    index = {f"sim-r{r.index}": i for i, r in enumerate(conversation.requests)}
+    for policy in ("conductor", "round_robin"):
+        run = simulate(conversation, dataclasses.replace(spec), SchedulerSpec(policy=policy, slo=SLO(5.0, 0.2)),
+                       progress=None, salt="sim")
+        done = [r for r in run.records if r.ttft_s is not None]
+        assert done, "the run served nothing: the check would be empty"
+        assert all(r.ttft_s >= b["least_ttft_s"][index[r.request_id]] for r in done)
+        attained = sum(r.meets(slo) for r in run.records) / len(conversation.requests)
+        assert 0 < attained <= b["attainment_bound"]
