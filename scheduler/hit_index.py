@@ -466,8 +466,8 @@ class HitIndex:
                         alive_l = alive_l_next
                 else:  # some live holders on device, others only local: both tiers throughout
                     d = list(map(dget, chunk, repeat(0, end - start)))
-                    loc = list(map(or_, d, map(hget, chunk, repeat(0, end - start))))
-                    alive_l = _scan(list(accumulate(loc, and_, initial=alive_l)), start, out.local, ids)
+                    both = map(or_, d, map(hget, chunk, repeat(0, end - start)))
+                    alive_l = _scan(list(accumulate(both, and_, initial=alive_l)), start, out.local, ids)
                     alive_d = _scan(list(accumulate(d, and_, initial=alive_d)), start, out.device, ids)
             if alive_d:
                 _record(out.device, alive_d, n, ids)
