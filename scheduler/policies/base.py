@@ -137,6 +137,22 @@ def argmin(items: Sequence[T], key: Callable[[T], Any], rng: random.Random | Non
     return best[0]
 
 
+def argmin_scored(items: Sequence[T], scores: list[float], tie: Callable[[T], Any],
+                  rng: random.Random | None = None) -> T:
+    """``argmin(items, key=lambda x: (score of x, *tie(x)), rng)`` from the scores in item order:
+    the lowest score is found in C (``min``, ``index``, ``count``: no key call and no tuple per
+    candidate); only items sharing it go through ``tie``. A NaN among the scores takes the
+    tuple path (its comparisons differ)."""
+    total = sum(scores)
+    if total != total:  # a NaN (or inf - inf): exactly argmin's answer the slow way
+        pairs = list(zip(scores, items, strict=True))
+        return argmin(pairs, key=lambda p: (p[0], tie(p[1])), rng=rng)[1]
+    lo = min(scores)
+    if scores.count(lo) == 1:
+        return items[scores.index(lo)]
+    return argmin([x for x, s in zip(items, scores, strict=True) if s == lo], key=tie, rng=rng)
+
+
 def softmax_pick(items: Sequence[T], costs: Sequence[float], temperature: float, rng: random.Random) -> T:
     """Dynamo's softmax sampling over costs normalised to [0, 1]: p ~ exp(-(c - min)/((max - min) T))."""
     lo, hi = min(costs), max(costs)
