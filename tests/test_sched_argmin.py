@@ -4,7 +4,7 @@ import random
 
 from hypothesis import given, settings, strategies as st
 
-from scheduler.policies.base import argmin, argmin_scored
+from scheduler.policies.base import argmin, argmin_scored, runner_up
 
 scores = st.sampled_from([0.0, -0.0, 1.0, 1.5, 2.0, 1e-9, float("inf"), float("-inf"), float("nan")])
 
@@ -27,3 +27,12 @@ def test_ties_on_the_score_go_to_the_tie_breaker_then_the_draw():
     picks = {argmin_scored(items, [2.0, 1.0, 1.0, 3.0], tie, random.Random(s)) for s in range(40)}
     assert picks == {"b", "c"}
     assert argmin_scored(items, [5.0, 4.0, 0.5, 3.0], tie) == "c"
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.dictionaries(st.sampled_from(["a", "b", "c", "d", "e"]), scores, max_size=5),
+       st.sampled_from(["a", "b", "z"]))
+def test_runner_up_is_the_lowest_score_and_id_but_the_winners(by_id, winner):
+    others = [(v, k) for k, v in by_id.items() if k != winner]
+    want = "" if not others else " (next {} {:.4g})".format(*reversed(min(others)))
+    assert runner_up(by_id, winner) == want

@@ -163,9 +163,23 @@ def softmax_pick(items: Sequence[T], costs: Sequence[float], temperature: float,
 
 
 def runner_up(scores: dict[str, float], winner: str) -> str:
-    """" (next X 1.234)" for the reason line, or "" with a single candidate."""
-    others = [(v, k) for k, v in scores.items() if k != winner]
-    if not others:
+    """" (next X 1.234)" for the reason line, or "" with a single candidate: the lowest
+    (score, id) but the winner's. Found with ``min``/``count`` in C, not a tuple per candidate
+    (the tuple path only with a NaN, whose comparisons differ)."""
+    keys, vals = list(scores), list(scores.values())
+    if winner in scores:
+        i = keys.index(winner)
+        del keys[i], vals[i]
+    if not keys:
         return ""
-    v, k = min(others)
+    total = sum(vals)
+    if total != total:  # a NaN (or inf - inf)
+        v, k = min(zip(vals, keys, strict=True))
+    else:
+        v = min(vals)
+        if vals.count(v) == 1:
+            k = keys[vals.index(v)]
+        else:  # equal scores: the lowest id, with its own score (0.0 and -0.0 are equal)
+            k = min(k for k, x in zip(keys, vals, strict=True) if x == v)
+            v = vals[keys.index(k)]
     return f" (next {k} {v:.4g})"
