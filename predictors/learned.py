@@ -617,6 +617,31 @@ class LearnedBundle:
             return self._fallback_tbt.tbt(state, prompt_tokens, max_tokens)
         return t * self.ewma["tbt"].factor.get(self._compiled(state.instance).group_key, 1.0) if self.online else t
 
+    def tbt_many(self, states: Sequence[DecodeState], prompt_tokens: int, max_tokens: int) -> list[float]:
+        """:meth:`tbt` for every decode candidate of a decision in one call (64 of them at 64D):
+        the same arithmetic in the same order, without three Python calls per candidate.
+        tests/test_learned_tbt_many.py holds it equal to :meth:`tbt`: change both together."""
+        inst, compiled = self._inst, self._compiled
+        extra = (prompt_tokens if prompt_tokens > 0 else 0) + (max_tokens if max_tokens > 1 else 1)
+        if max_tokens != self._share_of:
+            self._share_of, self._share = max_tokens, slowest_share(max_tokens - 1 if max_tokens > 1 else 0)
+        share, cluster = self._share, self.decode_cluster
+        factor = self.ewma["tbt"].factor.get if self.online else None
+        out: list[float] = []
+        for state in states:
+            c = inst.get(state.instance)
+            if c is None:
+                c = compiled(state.instance)
+            k = c.tbt
+            if k is None:  # no model: the warning and the analytic fallback, as tbt() gives them
+                out.append(self.tbt(state, prompt_tokens, max_tokens))
+                continue
+            kv = (state.kv_tokens if state.kv_tokens > 0 else 0) + extra
+            t = (k[0] + k[1] * kv + k[2] * ((state.running if state.running > 0 else 0) + 1) + k[3] * share
+                 + k[4] * cluster)
+            out.append(t if factor is None else t * factor(c.group_key, 1.0))
+        return out
+
     def _tbt(self, state: DecodeState, prompt_tokens: int, max_tokens: int, cluster: float | None) -> float:
         """:meth:`tbt` for a record: with the cluster's decode load it was decided with."""
         t = self.tbt_base(state, prompt_tokens, max_tokens, cluster)

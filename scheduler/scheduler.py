@@ -592,12 +592,16 @@ class Scheduler:
 
     def _decode_candidates(self, pool: list[Instance], facts: RequestFacts, now: float,
                            at: float | None) -> list[DecodeCandidate]:
-        """Decode candidates with their TBT once this request joins: now, or predicted at ``at``."""
-        ledger, tbt = self.ledger, self.predictors.tbt.tbt
+        """Decode candidates with their TBT once this request joins: now, or predicted at ``at``.
+        A TBT predictor with ``tbt_many`` answers them all in one call (the learned one)."""
+        ledger, tbt = self.ledger, self.predictors.tbt
         prompt, max_tokens = facts.prompt_tokens, facts.max_tokens
         states = ledger.decode_states([i.id for i in pool], now) if at is None else [
             ledger.decode_state_at(i.id, at, now) for i in pool]
-        return [DecodeCandidate(i.id, i.role, s, tbt(s, prompt, max_tokens)) for i, s in zip(pool, states, strict=True)]
+        many = getattr(tbt, "tbt_many", None)
+        tbts = many(states, prompt, max_tokens) if many is not None else [tbt.tbt(s, prompt, max_tokens)
+                                                                          for s in states]
+        return [DecodeCandidate(i.id, i.role, s, t) for i, s, t in zip(pool, states, tbts, strict=True)]
 
     def _headroom(self, facts: RequestFacts) -> float:
         cls = getattr(facts, "priority", None)

@@ -309,3 +309,41 @@ def test_store_media_are_told_apart_from_host_memory_by_case():
     assert [tier_of(m) for m in ("GPU", "CPU", "cpu", "disk", "CPU_PINNED", "EXTERNAL", "DISK", None)] == \
         [0, 1, 2, 2, 1, 2, 2, 0]
     assert tier_of("Cpu") == 1 and tier_of("TAPE") is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(INSTANCES), st.integers(0, 199), st.integers(1, 200),
+                          st.sampled_from(["GPU", "CPU", "EXTERNAL"]), st.booleans()), max_size=16),
+       st.integers(0, 200))
+def test_longest_prefix_when_runs_move_between_device_and_host_in_any_order(segments, limit):
+    """Device and host runs of one chain overlapping, starting and ending anywhere: the walk
+    looks the second tier up only where a run in the first ends, and must still find each
+    instance's exact device and local run (the host-only and mixed holders included)."""
+    seq = list(range(3000, 3200))
+    ours = block_hashes(seq, 1)
+    index, held = HitIndex(1), {i: {"device": set(), "host": set(), "store": set()} for i in INSTANCES}
+    for i in INSTANCES:
+        index.register(i)
+    for inst, a, n, medium, evict in segments:
+        b = min(200, a + n)
+        eng = salted(ours, inst)
+        tier = held[inst][MEDIA[medium]]
+        if evict:  # a removal of blocks [a, b) from that tier (partly unknown ones included)
+            index.block_removed(inst, eng[a:b], medium)
+            tier.difference_update(ours[a:b])
+        elif a == 0 or any(ours[a - 1] in t for t in held[inst].values()):  # a store onto a known parent
+            assert index.block_stored(inst, eng[a:b], eng[a - 1] if a else None, seq[a:b], 1, medium)
+            tier.update(ours[a:b])
+    m = index.match(ours, limit)
+
+    def run(pred):
+        n = 0
+        while n < limit and pred(ours[n]):
+            n += 1
+        return n
+
+    for i in INSTANCES:
+        device, local = held[i]["device"], held[i]["device"] | held[i]["host"]
+        assert m.device.get(i, 0) == run(device.__contains__)
+        assert m.local.get(i, 0) == run(local.__contains__)
+    assert m.store == run(lambda x: any(x in held[i]["store"] for i in INSTANCES))

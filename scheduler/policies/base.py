@@ -137,6 +137,22 @@ def argmin(items: Sequence[T], key: Callable[[T], Any], rng: random.Random | Non
     return best[0]
 
 
+def argmin_scored(items: Sequence[T], scores: list[float], tie: Callable[[T], Any],
+                  rng: random.Random | None = None) -> T:
+    """``argmin(items, key=lambda x: (score of x, *tie(x)), rng)`` from the scores in item order:
+    the lowest score is found in C (``min``, ``index``, ``count``: no key call and no tuple per
+    candidate); only items sharing it go through ``tie``. A NaN among the scores takes the
+    tuple path (its comparisons differ)."""
+    total = sum(scores)
+    if total != total:  # a NaN (or inf - inf): exactly argmin's answer the slow way
+        pairs = list(zip(scores, items, strict=True))
+        return argmin(pairs, key=lambda p: (p[0], tie(p[1])), rng=rng)[1]
+    lo = min(scores)
+    if scores.count(lo) == 1:
+        return items[scores.index(lo)]
+    return argmin([x for x, s in zip(items, scores, strict=True) if s == lo], key=tie, rng=rng)
+
+
 def softmax_pick(items: Sequence[T], costs: Sequence[float], temperature: float, rng: random.Random) -> T:
     """Dynamo's softmax sampling over costs normalised to [0, 1]: p ~ exp(-(c - min)/((max - min) T))."""
     lo, hi = min(costs), max(costs)
@@ -147,9 +163,23 @@ def softmax_pick(items: Sequence[T], costs: Sequence[float], temperature: float,
 
 
 def runner_up(scores: dict[str, float], winner: str) -> str:
-    """" (next X 1.234)" for the reason line, or "" with a single candidate."""
-    others = [(v, k) for k, v in scores.items() if k != winner]
-    if not others:
+    """" (next X 1.234)" for the reason line, or "" with a single candidate: the lowest
+    (score, id) but the winner's. Found with ``min``/``count`` in C, not a tuple per candidate
+    (the tuple path only with a NaN, whose comparisons differ)."""
+    keys, vals = list(scores), list(scores.values())
+    if winner in scores:
+        i = keys.index(winner)
+        del keys[i], vals[i]
+    if not keys:
         return ""
-    v, k = min(others)
+    total = sum(vals)
+    if total != total:  # a NaN (or inf - inf)
+        v, k = min(zip(vals, keys, strict=True))
+    else:
+        v = min(vals)
+        if vals.count(v) == 1:
+            k = keys[vals.index(v)]
+        else:  # equal scores: the lowest id, with its own score (0.0 and -0.0 are equal)
+            k = min(k for k, x in zip(keys, vals, strict=True) if x == v)
+            v = vals[keys.index(k)]
     return f" (next {k} {v:.4g})"

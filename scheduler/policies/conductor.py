@@ -32,8 +32,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Hashable, Literal
 
 from predictors.types import Role, Tier
-from scheduler.cost import DecisionContext, PrefillCandidate, Terms
-from scheduler.policies.base import DecodeChoice, Policy, PrefillChoice, argmin, runner_up
+from scheduler.cost import DecisionContext, DecodeCandidate, PrefillCandidate, Terms
+from scheduler.policies.base import DecodeChoice, Policy, PrefillChoice, argmin_scored, runner_up
 from scheduler.policies.conductor_affinity import near_tie_holder
 
 
@@ -97,28 +97,33 @@ class ConductorPolicy(Policy):
         if book is None:
             raise RuntimeError("choose_prefill before the terms stage")
         rows: dict[str, Terms] = {}
+        scores: dict[str, float] = {}
         chosen: dict[tuple[Hashable, int, int], Terms] = {}  # the way to serve depends only on (group, prefix facts)
         pending = ctx.pending  # empty unless ``inflight`` (see reads_inflight)
+        kv_est = self._kv_shipment_estimates(ctx)
+        kv_get = kv_est.get
+        w = self.params.work_weight
         for c in ctx.prefill:
-            if pending.get(c.id, 0) > c.local_blocks:  # queued behind the request bringing the prefix
-                c = replace(c, device_blocks=pending[c.id], local_blocks=pending[c.id])
-                c.local = book.local(c)
-            key = (c.group, c.device_blocks, c.local_blocks)
+            cid = c.id
+            view = c  # the candidate, or its view with the in-flight prefix
+            if pending and pending.get(cid, 0) > c.local_blocks:  # queued behind the request bringing the prefix
+                view = replace(c, device_blocks=pending[cid], local_blocks=pending[cid])
+                view.local = book.local(view)
+            key = (view.group, view.device_blocks, view.local_blocks)
             t = chosen.get(key)
             if t is None:
-                t = c.local
-                if holder is not None and best_blocks > c.local_blocks:  # someone holds more: pull or not
+                t = view.local
+                if holder is not None and best_blocks > view.local_blocks:  # someone holds more: pull or not
                     # not pulling is the engine default: the local prefix, plus what the shared store
                     # holds beyond it (a store connector loads that anyway), then recompute the rest
-                    recompute = book.local(c)
-                    pull = book.pull(c, holder, best_blocks)
-                    t = pull if self._pulls(c, pull, recompute, best_blocks) else recompute
+                    recompute = book.local(view)
+                    pull = book.pull(view, holder, best_blocks)
+                    t = pull if self._pulls(view, pull, recompute, best_blocks) else recompute
                 chosen[key] = t
-            rows[c.id] = t
-        kv_est = self._kv_shipment_estimates(ctx)
-        w = self.params.work_weight
-        scores = {c.id: c.ttft(rows[c.id]) + kv_est.get(c.id, 0.0) + w * rows[c.id].cache_s for c in ctx.prefill}
-        winner = argmin(ctx.prefill, key=lambda c: (scores[c.id], c.state.queued_tokens), rng=ctx.rng)
+            rows[cid] = t
+            # TTFT (c.ttft inlined, same order of additions) + shipment + w x the work added there
+            scores[cid] = t.transfer_s + c.queue_s + t.prefill_s + kv_get(cid, 0.0) + w * (t.transfer_s + t.prefill_s)
+        winner = argmin_scored(ctx.prefill, list(scores.values()), _queued_tokens, ctx.rng)
         why = f"lowest predicted TTFT {scores[winner.id]:.4g}s{runner_up(scores, winner.id)}"
         p = self.params
         if p.affinity_margin_s > 0 or p.affinity_margin_rel > 0:
@@ -152,7 +157,7 @@ class ConductorPolicy(Policy):
     def choose_decode(self, ctx: DecisionContext, prefill: PrefillCandidate) -> DecodeChoice:
         if self.params.decode_choice == "tbt":
             scores = {d.id: d.tbt_s for d in ctx.decode}
-            best = argmin(ctx.decode, key=lambda d: (d.tbt_s, d.state.running), rng=ctx.rng)
+            best = argmin_scored(ctx.decode, list(scores.values()), _running, ctx.rng)
             return DecodeChoice(best, scores, f"lowest predicted TBT {best.tbt_s:.4g}s with this request"
                                               f"{runner_up(scores, best.id)}")
         return self._earliest_first_token(ctx, prefill)
@@ -162,22 +167,51 @@ class ConductorPolicy(Policy):
         first step) among those meeting the TBT SLO with this request added; lowest TBT when none
         does. Balancing TBT alone sends requests to instances whose KV is full, where they wait
         after their prefill for others to finish."""
-        transfer, group = ctx.predictors.transfer.transfer_time, ctx.predictors.group
+        transfer, group, groups = ctx.predictors.transfer.transfer_time, ctx.predictors.group, ctx.predictors.groups
+        groups_get = groups.get if groups is not None else None  # the live view of group(): no call per candidate
         shipments: dict[Hashable, float] = {}  # the shipment depends on the decode side's predictor group only
-        first = {}
+        first: dict[str, float] = {}
+        ok: list[DecodeCandidate] = []  # those meeting the TBT SLO, and their first-token times
+        ok_first: list[float] = []
+        ready, prompt, pid, tbt_slo = ctx.prefill_ready_s, ctx.prompt_tokens, prefill.id, ctx.slo.tbt_s
         for d in ctx.decode:
-            key = d.id if group is None else group(d.id)
+            did = d.id
+            if group is None:
+                key: Hashable = did
+            else:
+                key = _MISSING if groups_get is None else groups_get(did, _MISSING)
+                if key is _MISSING:
+                    key = group(did)
             ship = shipments.get(key)
             if ship is None:
-                ship = shipments[key] = transfer(ctx.prompt_tokens, prefill.id, d.id)
-            first[d.id] = d.first_token_s(ctx.prefill_ready_s, ship)
-        tbt_slo = ctx.slo.tbt_s
-        ok = [d for d in ctx.decode if tbt_slo is None or d.tbt_s <= tbt_slo] or ctx.decode
-        winner = argmin(ok, key=lambda d: (first[d.id], d.tbt_s, d.state.running), rng=ctx.rng)
+                ship = shipments[key] = transfer(prompt, pid, did)
+            wait = d.kv_wait_s  # d.first_token_s(ready, ship) inlined
+            f = first[did] = (wait if wait > ready else ready) + ship + d.tbt_s
+            if tbt_slo is None or d.tbt_s <= tbt_slo:
+                ok.append(d)
+                ok_first.append(f)
+        if not ok:
+            ok, ok_first = ctx.decode, list(first.values())
+        winner = argmin_scored(ok, ok_first, _tbt_then_running, ctx.rng)
         why = f"earliest first token {first[winner.id]:.4g}s (TBT {winner.tbt_s:.4g}s)"
         if winner.kv_wait_s > ctx.prefill_ready_s:
             why += f", after waiting {winner.kv_wait_s - ctx.prefill_ready_s:.3g}s for KV room"
         return DecodeChoice(winner, first, why + runner_up(first, winner.id))
+
+
+_MISSING = object()
+
+
+def _queued_tokens(c: PrefillCandidate) -> int:
+    return c.state.queued_tokens
+
+
+def _running(d: DecodeCandidate) -> int:
+    return d.state.running
+
+
+def _tbt_then_running(d: DecodeCandidate) -> tuple[float, int]:
+    return d.tbt_s, d.state.running
 
 
 @dataclass(frozen=True)
