@@ -53,6 +53,7 @@ from predictors.analytic import Prior, Roofline, roofline_decode_step_s, rooflin
 from predictors.base import DecodeState  # noqa: E402
 from predictors.calibrate import calibrate  # noqa: E402
 from predictors.dataset import build_dataset  # noqa: E402
+from predictors.facts import load_deployment  # noqa: E402
 from predictors.learned import learned_predictors  # noqa: E402
 from predictors.telemetry import SLO, RequestRecord, write_jsonl  # noqa: E402
 
@@ -87,6 +88,26 @@ def in_operation(records: list[RequestRecord], slo: SLO) -> dict[str, float | No
             "ttft_p90": float(np.quantile(ttft, 0.9)) if ttft else None,
             "tbt_mape": statistics.mean(tbt) if tbt else None, "prefill_mape": statistics.mean(pre) if pre else None,
             "prefill_n": len(pre)}
+
+
+def p90_coverage(records: list[RequestRecord], model_dir: str) -> dict[str, tuple[float | None, float | None]]:
+    """(static, served) p90 coverage per tracked term of a run served by ``model_dir``: its records
+    fed, in the order they finished, to the serving path's own trackers (LearnedBundle.observe),
+    once with the step the calibration tuned and once with step 0 (the calibrated p90 as is)."""
+    ok = sorted((r for r in records if r.status == "ok" and r.end_s is not None), key=lambda r: r.end_s or 0.0)
+    out: dict[str, list[float | None]] = {}
+    for k, eta in enumerate((0.0, None)):
+        lp = learned_predictors(model_dir, quantile_eta=eta)
+        assert lp.bundle is not None
+        for r in ok:
+            for inst, dep in ((r.prefill_instance, r.prefill_deployment), (r.decode_instance, r.decode_deployment)):
+                if inst is not None and dep is not None and lp.bundle.book.deployment(inst) is None:
+                    lp.register(inst, load_deployment(dep), 1 << 30)
+            lp.bundle.observe(r)
+        for term, tr in lp.bundle.quantiles.items():
+            n, c = sum(tr.n.values()), sum(tr.covered.values())
+            out.setdefault(term, [None, None])[k] = c / n if n else None
+    return {t: (v[0], v[1]) for t, v in out.items()}
 
 
 def direct(profile: str, model_dir: str, max_fit_prompt: int) -> None:
@@ -173,12 +194,15 @@ def main() -> int:
     m = calibrate(records, model_dir, holdout=a.holdout, telemetry=[f"simulated {a.train_loads}"], draw=True)
     print(f"\n== calibrate ({len(records)} records, {m['rows']}; fit {m['fit_seconds']:.1f} s): held-out "
           f"({a.holdout}) 20% ==")
-    print(f"{'term':<9} {'n':>5} {'learned MAPE':>12} {'APE p50':>8} {'p90 coverage':>12} {'analytic MAPE':>13} "
-          f"{'APE p50':>8}")
+    print(f"{'term':<9} {'n':>5} {'learned MAPE':>12} {'APE p50':>8} {'p90 cov static':>14} {'served':>7} "
+          f"{'analytic MAPE':>13} {'APE p50':>8}")
     for term, mm in m["holdout_metrics"].items():
         lm, am = mm["learned"], mm["analytic"]
         print(f"{term:<9} {lm.get('n', 0):>5} {pct(lm.get('mape')):>12} {pct(lm.get('ape_p50')):>8} "
-              f"{pct(lm.get('p90_coverage')):>12} {pct(am.get('mape')):>13} {pct(am.get('ape_p50')):>8}")
+              f"{pct(lm.get('p90_coverage')):>14} {pct(lm.get('p90_coverage_served')):>7} {pct(am.get('mape')):>13} "
+              f"{pct(am.get('ape_p50')):>8}")
+    print(f"served: the online quantile tracker (step {m['online_quantile']['eta']:g}, tuned on the training rows) "
+          "over the held-out rows in decision order, each outcome applied once its request ended")
     ex = m["extrapolation"]
     print(f"extrapolation (fitted on prompts <= {ex['max_prompt_tokens']}, scored on longer ones): "
           + "; ".join(f"{t} learned {pct(v['learned'].get('mape'))} analytic {pct(v['analytic'].get('mape'))}"
@@ -187,15 +211,18 @@ def main() -> int:
     print(f"\n== in operation: the next {a.eval} requests (unseen) at load {a.eval_load:g}, same cluster and seed ==",
           flush=True)
     w = sped_up(eval_w, a.eval_load)
-    rows = {name: in_operation(run(w, cluster, slo, pred, f"s9-t{k}"), slo)
-            for k, (name, pred) in enumerate((("analytic", "analytic"), ("learned", model_dir),
-                                              ("oracle", "oracle")))}
+    runs = {name: run(w, cluster, slo, pred, f"s9-t{k}")
+            for k, (name, pred) in enumerate((("analytic", "analytic"), ("learned", model_dir), ("oracle", "oracle")))}
+    cover = p90_coverage(runs["learned"], model_dir)  # before in_operation relabels the records
+    rows = {name: in_operation(recs, slo) for name, recs in runs.items()}
     print(f"{'predictors':<10} {'attainment':>10} {'goodput/s':>9} {'admitted':>8} {'TTFT APE p50':>12} "
           f"{'p90':>6} {'TBT MAPE':>8} {'prefill MAPE (n)':>16}")
     for name, r in rows.items():
         print(f"{name:<10} {pct(r['attainment']):>10} {r['goodput']:>9.2f} {pct(r['admitted']):>8} "
               f"{pct(r['ttft_p50']):>12} {pct(r['ttft_p90']):>6} {pct(r['tbt_mape']):>8} "
               f"{pct(r['prefill_mape'])} ({r['prefill_n']})")
+    print("learned p90 coverage in operation (the serving path's trackers over the run, in finishing order), "
+          "static / served: " + "; ".join(f"{t} {pct(c[0]).strip()} / {pct(c[1]).strip()}" for t, c in cover.items()))
     print(f"\nmodels, metrics.json, report.md and plots in {model_dir}; total {time.perf_counter() - t0:.0f} s")
     return 0
 

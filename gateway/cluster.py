@@ -44,7 +44,8 @@ def build_scheduler(cfg: GatewayConfig, engines: list[EngineConfig]) -> Schedule
 
 def _predictors(cfg: GatewayConfig) -> Predictors:
     if cfg.predictors == "learned":  # a missing or broken model: the analytic prior answers (logged)
-        return learned_predictors(cfg.predictor_models, prior=cfg.prior, online=cfg.predictor_online, strict=False)
+        return learned_predictors(cfg.predictor_models, prior=cfg.prior, online=cfg.predictor_online, strict=False,
+                                  quantile_eta=cfg.predictor_quantile_eta)
     return analytic_predictors(prior=cfg.prior)
 
 

@@ -140,6 +140,9 @@ class GatewayConfig:
     predictors: str = "analytic"
     predictor_models: str | None = None
     predictor_online: bool = True  # online EWMA correction of the learned terms
+    # the online p90 tracker's step (predictors/online_quantile.py; 0: the calibrated p90 as is);
+    # None: the step conductor calibrate tuned on its training rows (models.json), else 0.05
+    predictor_quantile_eta: float | None = None
     auth: AuthConfig = field(default_factory=AuthConfig)  # [auth]: client keys, admin token, hosts (gateway/auth.py)
     # a prompt longer than the longest served context (max_model_len) x this many characters a
     # token is refused before tokenizing; default: 1 for the built-in byte tokenizer (exact: a
@@ -306,6 +309,9 @@ def validate(cfg: GatewayConfig) -> None:
         raise ConfigError(f"predictors must be one of {PREDICTORS}, got {cfg.predictors!r}")
     if cfg.predictors == "learned" and not cfg.predictor_models:
         raise ConfigError("predictors 'learned' needs predictor_models (a directory written by conductor calibrate)")
+    eta = cfg.predictor_quantile_eta
+    if eta is not None and (isinstance(eta, bool) or not isinstance(eta, (int, float)) or not 0 <= eta <= 1):
+        raise ConfigError(f"predictor_quantile_eta must be a number in [0, 1], got {eta!r}")
     if cfg.tokenizer not in TOKENIZERS:
         raise ConfigError(f"tokenizer must be one of {TOKENIZERS}, got {cfg.tokenizer!r}")
     if cfg.tokenizer == "hf" and not cfg.tokenizer_path:

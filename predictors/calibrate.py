@@ -24,6 +24,7 @@ from predictors.cli_args import CLIError, Parser
 from predictors.dataset import DataError, Dataset, build_dataset
 from predictors.fit import MIN_ROWS, Scored, fit_all, metrics_of, score
 from predictors.learned import LearnedModels
+from predictors.online_quantile import replay, tune_eta
 from predictors.telemetry import RequestRecord, read_jsonl
 
 
@@ -78,13 +79,20 @@ def report_md(metrics: dict[str, Any]) -> str:
              f"{metrics['used']} finished and placed. Held out: {metrics['holdout']} "
              f"({metrics['holdout_fraction']:.0%}). Rows: " + ", ".join(f"{k} {v}" for k, v in metrics["rows"].items()),
              "", "## Held-out error, learned vs the analytic prior", "",
-             "| term | n | learned MAPE | APE p50 | APE p90 | p90 coverage | analytic MAPE | analytic APE p50 |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| term | n | learned MAPE | APE p50 | APE p90 | p90 coverage static | served (tracked) | analytic MAPE "
+             "| analytic APE p50 |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for term, m in metrics["holdout_metrics"].items():
         lm, am = m["learned"], m["analytic"]
         lines.append(f"| {term} | {lm.get('n', 0)} | {_fmt(lm.get('mape'))} | {_fmt(lm.get('ape_p50'))} | "
-                     f"{_fmt(lm.get('ape_p90'))} | {_fmt(lm.get('p90_coverage'))} | {_fmt(am.get('mape'))} | "
-                     f"{_fmt(am.get('ape_p50'))} |")
+                     f"{_fmt(lm.get('ape_p90'))} | {_fmt(lm.get('p90_coverage'))} | "
+                     f"{_fmt(lm.get('p90_coverage_served'))} | {_fmt(am.get('mape'))} | {_fmt(am.get('ape_p50'))} |")
+    oq = metrics.get("online_quantile")
+    if oq:
+        lines += ["", f"p90 coverage *static*: the calibrated (conformal) quantile alone; *served*: the same times the "
+                  f"online quantile tracker's scale (predictors/online_quantile.py, step {oq['eta']:g} tuned on the "
+                  "training rows), the held-out rows replayed in decision order from scale 1, each outcome applied "
+                  "only once its request had ended."]
     ex = metrics.get("extrapolation") or {}
     if ex:
         lines += ["", f"## Extrapolation: fitted on prompts up to {ex['max_prompt_tokens']} tokens, "
@@ -157,6 +165,34 @@ def plots(out: str, scored: dict[str, Scored], q: float) -> list[str]:
     return paths
 
 
+#: Terms whose upper quantile the serving path tracks online (LearnedBundle.observe).
+TRACKED = ("prefill", "tbt", "handover", "ttft")
+
+
+def served_coverage(held: dict[str, Scored], training: dict[str, Scored], q: float,
+                    holdout_metrics: dict[str, Any]) -> dict[str, Any]:
+    """Tune the tracker's step on the training rows' replay (never the held-out ones), replay the
+    held-out rows with it, and add each tracked term's served coverage and pinball loss to
+    ``holdout_metrics`` beside the static ones. Returns the step and how it was chosen."""
+    def stream(s: Scored) -> tuple[list[str], np.ndarray, np.ndarray, list[str], np.ndarray, np.ndarray]:
+        return s.run, s.decided, s.known, s.key, s.actual, s.learned_p90
+
+    streams = [stream(training[t]) for t in TRACKED if t in training]
+    eta, errors = tune_eta(streams, q, blocks=TUNE_BLOCKS)
+    for t in TRACKED:
+        if t not in held or t not in holdout_metrics or not len(held[t].actual):
+            continue
+        s = held[t]
+        served = replay(s.run, s.decided, s.known, s.key, s.actual, s.learned_p90, q, eta)
+        d = s.actual - served
+        holdout_metrics[t]["learned"]["p90_coverage_served"] = float(np.mean(s.actual <= served))
+        holdout_metrics[t]["learned"]["pinball_p90_served"] = float(np.mean(np.maximum(q * d, (q - 1) * d)))
+    return {"eta": eta, "tuned_on": "training rows (replayed in decision order)", "blocks": TUNE_BLOCKS,
+            "block_rms_error": {str(k): round(v, 5) for k, v in errors.items()}}
+
+
+#: Stretches of each run's training rows the step is tuned over (a 20% hold-out is a quarter of the rest).
+TUNE_BLOCKS = 4
 #: Held-out rows a term needs before it can be judged worse than the prior (and left to it).
 MIN_JUDGED_ROWS = 10
 #: Where each term's held-out score is (a load is judged alone: the leg minus the learned prefill).
@@ -196,6 +232,9 @@ def calibrate(records: list[RequestRecord], out: str, *, holdout: str = "time", 
         raise DataError("too little data to fit any term: " + "; ".join(f"{k}: {v}" for k, v in missing.items()))
     scored = score(trial, ds, held)
     holdout_metrics = metrics_of(scored)
+    # served coverage: the online quantile tracker's step tuned on the training rows, then the
+    # held-out rows replayed in decision order (predictors/online_quantile.py)
+    tracking = served_coverage(scored, score(trial, ds, lambda row: train(row.t)), q, holdout_metrics)
     # extrapolation: fit on the shortest 90% of prompts, score on the longest 10%
     prompts = np.array([r.prompt_tokens for r in ds.queue] or [0])
     p90_prompt = int(np.quantile(prompts, 0.9))
@@ -210,7 +249,8 @@ def calibrate(records: list[RequestRecord], out: str, *, holdout: str = "time", 
     missing.update(worse)
     final = LearnedModels(final.terms, {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                         "telemetry": telemetry or [], "records": len(records), "quantile": q,
-                                        "deployments": sorted(ds.deployments), **final.meta},
+                                        "deployments": sorted(ds.deployments), **final.meta,
+                                        "online_quantile": {"eta": tracking["eta"]}},
                           final.ttft_p90_scale)
     os.makedirs(out, exist_ok=True)
     models_path = final.save(out)
@@ -220,7 +260,7 @@ def calibrate(records: list[RequestRecord], out: str, *, holdout: str = "time", 
     metrics: dict[str, Any] = {
         "telemetry": telemetry or [], "records": len(records), "used": ds.used, "skipped": ds.skipped, "rows": rows,
         "holdout": holdout, "holdout_fraction": fraction, "quantile": q, "holdout_metrics": holdout_metrics,
-        "extrapolation": extrapolation, "models": models_info, "missing": missing,
+        "extrapolation": extrapolation, "online_quantile": tracking, "models": models_info, "missing": missing,
         "fit_seconds": time.perf_counter() - t0}
     with open(os.path.join(out, "metrics.json"), "w") as f:
         json.dump(metrics, f, indent=1)

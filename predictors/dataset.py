@@ -56,6 +56,11 @@ class PrefillRow:
     store_write_recent_bytes: int = 0
     store_busy_s: float = 0.0
     store_loads_inflight: int = 0
+    # the run, and when the row's (first) request was decided and its outcome was known to the
+    # gateway (its end: the predictors' observer sees a record when it finishes)
+    run: str = ""
+    decided_s: float = 0.0
+    known_s: float = 0.0
 
     @property
     def loads(self) -> bool:
@@ -77,6 +82,11 @@ class TBTRow:
     max_tokens: int
     tbt_s: float
     cluster_running: float = 0.0  # the cluster's decode load at decision (0: not recorded)
+    # the run, and when the row's (first) request was decided and its outcome was known to the
+    # gateway (its end: the predictors' observer sees a record when it finishes)
+    run: str = ""
+    decided_s: float = 0.0
+    known_s: float = 0.0
 
 
 @dataclass
@@ -92,6 +102,11 @@ class HandoverRow:
     max_tokens: int
     handover_s: float
     cluster_running: float = 0.0
+    # the run, and when the row's (first) request was decided and its outcome was known to the
+    # gateway (its end: the predictors' observer sees a record when it finishes)
+    run: str = ""
+    decided_s: float = 0.0
+    known_s: float = 0.0
 
     @property
     def prompt_tokens(self) -> int:
@@ -148,6 +163,14 @@ def run_of(r: RequestRecord) -> str:
     (load, policy); instance names and times repeat across runs."""
     m = _SIM_RUN.match(r.request_id)
     return f"{r.extra.get('source', '')}|{m.group(1) if m else ''}"
+
+
+def known_at(r: RequestRecord) -> float:
+    """When the gateway's predictors observe ``r``: at its end (the lifecycle's observers run at
+    finish), else its last token."""
+    if r.end_s is not None:
+        return r.end_s
+    return r.token_times[-1] if r.token_times else (r.first_token_s or r.decided_s or 0.0)
 
 
 def build_dataset(records: Iterable[RequestRecord], default_deployment: str | None = None) -> Dataset:
@@ -230,6 +253,7 @@ def build_dataset(records: Iterable[RequestRecord], default_deployment: str | No
                 current.store_loads += bool(store)
                 current.host_tokens += host
                 current.host_loads += bool(host)
+                current.known_s = max(current.known_s, known_at(r))
                 continue
             before = bisect_left(starts, r.prefill_start_s)  # legs started strictly before this one
             # another leg started while this one ran (its own start counted once: same-time starts join)
@@ -241,7 +265,8 @@ def build_dataset(records: Iterable[RequestRecord], default_deployment: str | No
                                  host_tokens=host, host_loads=int(bool(host)),
                                  store_write_recent_bytes=r.store_write_recent_bytes,
                                  store_busy_s=r.store_busy_s,
-                                 store_loads_inflight=r.store_loads_inflight)
+                                 store_loads_inflight=r.store_loads_inflight, run=run_of(r),
+                                 decided_s=r.decided_s, known_s=known_at(r))
             prefill.append(current)
             prev_end = r.prefill_end_s
         # the queue each request found: the requests decided before it and not yet prefilled
@@ -267,7 +292,8 @@ def build_dataset(records: Iterable[RequestRecord], default_deployment: str | No
         mt = r.max_tokens or r.output_tokens
         if len(r.token_times) > MIN_TBT_INTERVALS:
             tbt.append(TBTRow(pos(r), ddep, r.decode_instance, r.decode_running, r.decode_kv_tokens,
-                              r.prompt_tokens, mt, r.tbt_s, r.decode_cluster_running or 0.0))
+                              r.prompt_tokens, mt, r.tbt_s, r.decode_cluster_running or 0.0, run_of(r),
+                              r.decided_s, known_at(r)))
         else:
             skip("too few tokens for a TBT")
         if r.prefill_instance == r.decode_instance:
@@ -279,7 +305,7 @@ def build_dataset(records: Iterable[RequestRecord], default_deployment: str | No
         pdep = _deployment(r.prefill_deployment, default_deployment, deployments, "prefill_deployment")
         handover.append(HandoverRow(pos(r), r.prefill_instance, r.decode_instance, pdep, ddep, r.prompt_tokens,
                                     r.decode_running, r.decode_kv_tokens, mt, r.first_token_s - r.prefill_end_s,
-                                    r.decode_cluster_running or 0.0))
+                                    r.decode_cluster_running or 0.0, run_of(r), r.decided_s, known_at(r)))
     return Dataset(prefill, tbt, handover, queue, len(recs), len(placed), skipped, deployments)
 
 

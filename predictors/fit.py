@@ -11,14 +11,14 @@ physical units, so the pooled weights are inverse efficiencies shared across har
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 import numpy as np
 from sklearn.linear_model import LinearRegression, QuantileRegressor  # type: ignore[import-untyped]
 
 from predictors.analytic import Prior, Roofline, roofline_decode_step_s, roofline_prefill_s
-from predictors.dataset import Dataset, HandoverRow, PrefillRow, TBTRow, reconstructed_queue
+from predictors.dataset import Dataset, HandoverRow, PrefillRow, TBTRow, known_at, reconstructed_queue, run_of
 from predictors.facts import Deployment
 from predictors.learned import (
     FEATURES,
@@ -484,6 +484,12 @@ class Scored:
     prompt: np.ndarray
     learned_p90_raw: np.ndarray  # the fitted quantile before its conformal scale (without the offset)
     offset: np.ndarray  # what the term adds to its own model (the handover's first decode step)
+    # for the online quantile tracker's replay (predictors/online_quantile.py): each row's run,
+    # decision and outcome times, and the tracker's key (its deployment group; the TTFT: "all")
+    run: list[str] = field(default_factory=list)
+    decided: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    known: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    key: list[str] = field(default_factory=list)
 
 
 def score(models: LearnedModels, ds: Dataset, keep: Callable[[Any], bool], ttft: bool = True) -> dict[str, Scored]:
@@ -492,36 +498,43 @@ def score(models: LearnedModels, ds: Dataset, keep: Callable[[Any], bool], ttft:
     ph = Physics(ds.deployments)
     out: dict[str, Scored] = {}
 
-    def pack(rows: Sequence[tuple[float, ...]]) -> Scored:
+    def pack(rows: Sequence[tuple[float, ...]], meta: Sequence[tuple[str, float, float, str]] = ()) -> Scored:
         a = np.array([r + (0.0,) * (8 - len(r)) for r in rows], dtype=float).reshape(-1, 8)
-        return Scored(a[:, 0], a[:, 1], a[:, 2], a[:, 3], a[:, 4], a[:, 5].astype(int), a[:, 6], a[:, 7])
+        m = list(meta) if len(meta) == len(rows) else [("", 0.0, 0.0, "")] * len(rows)
+        return Scored(a[:, 0], a[:, 1], a[:, 2], a[:, 3], a[:, 4], a[:, 5].astype(int), a[:, 6], a[:, 7],
+                      [x[0] for x in m], np.array([x[1] for x in m], dtype=float),
+                      np.array([x[2] for x in m], dtype=float), [x[3] for x in m])
 
     tm = models.terms.get("prefill")
     if tm is not None:
         rows: list[tuple[float, ...]] = []
+        meta: list[tuple[str, float, float, str]] = []
         for r in ds.prefill:
             if keep(r) and r.clean:
                 x = ph.prefill_x(r.deployment, r.items)
                 p, p9 = predict(tm, r.deployment, x)
                 rows.append((r.t, r.service_s, p, p9, ph.analytic_prefill(r.deployment, r.items), r.prompt_tokens,
                              raw_upper(tm, r.deployment, x)))
-        out["prefill"] = pack(rows)
+                meta.append((r.run, r.decided_s, r.known_s, group_of(r.deployment)))
+        out["prefill"] = pack(rows, meta)
     tm = models.terms.get("tbt")
     if tm is not None:
-        rows = []
+        rows, meta = [], []
         for b in ds.tbt:
             if keep(b):
+                meta.append((b.run, b.decided_s, b.known_s, group_of(b.deployment)))
                 x = ph.tbt_x(b.deployment, b.running, b.kv_tokens, b.prompt_tokens, b.max_tokens, b.cluster_running)
                 p, p9 = predict(tm, b.deployment, x)
                 rows.append((b.t, b.tbt_s, p, p9, ph.analytic_tbt(b.deployment, b.running, b.kv_tokens,
                                                                   b.prompt_tokens, b.max_tokens), b.prompt_tokens,
                              raw_upper(tm, b.deployment, x)))
-        out["tbt"] = pack(rows)
+        out["tbt"] = pack(rows, meta)
     tm = models.terms.get("transfer")
     if tm is not None:
-        rows = []
+        rows, meta = [], []
         for h in ds.handover:
             if keep(h):
+                meta.append((h.run, h.decided_s, h.known_s, group_of(h.dst_deployment)))
                 step = first_step(models, ph, h)
                 x = ph.transfer_x(h.src_deployment, h.dst_deployment, h.tokens)
                 p, p9 = predict(tm, h.dst_deployment, x)
@@ -529,7 +542,7 @@ def score(models: LearnedModels, ds: Dataset, keep: Callable[[Any], bool], ttft:
                     h.dst_deployment, h.running, h.kv_tokens, h.tokens, h.max_tokens)
                 rows.append((h.t, h.handover_s, p + step, p9 + step, ana, h.tokens,
                              raw_upper(tm, h.dst_deployment, x), step))
-        out["handover"] = pack(rows)
+        out["handover"] = pack(rows, meta)
     pm = models.terms.get("prefill")
     for term, tier, amount in LOADS:
         tm = models.terms.get(term)
@@ -548,7 +561,9 @@ def score(models: LearnedModels, ds: Dataset, keep: Callable[[Any], bool], ttft:
         out[term] = pack(rows)  # the leg: load + prefill, learned and analytic
         out[f"{term}_load"] = pack(alone)
     if ttft and {"prefill", "tbt", "transfer"} <= set(models.terms):
-        out["ttft"] = pack(_ttft_rows(models, ph, ds, keep))
+        out["ttft"] = pack(_ttft_rows(models, ph, ds, keep),
+                           [(run_of(q.record), q.record.decided_s or 0.0, known_at(q.record), "all")
+                            for q in ds.queue if keep(q)])
     return out
 
 

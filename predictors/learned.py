@@ -16,6 +16,8 @@ actual / predicted absorbs drift between calibrations, each term corrected only 
 observations *of that term* (prefill from requests that found their prefill instance idle, TBT
 from the request's own token gaps, the prefill->decode KV shipment from the hand-over gap);
 prefill per instance, TBT and shipment per deployment group (:meth:`LearnedBundle.correction_key`).
+With it, each term's calibrated p90 is tracked online per deployment group (adaptive conformal:
+predictors/online_quantile.py), so its coverage stays at 90% through drift (:meth:`LearnedBundle.p90`).
 
 Model files are plain JSON (``models.json``): no pickle is ever loaded.
 """
@@ -33,6 +35,7 @@ from typing import Any, Callable, Hashable, Sequence
 from predictors.analytic import AnalyticQueue, AnalyticTBT, AnalyticTransfer, DeploymentBook, Prior, Roofline
 from predictors.base import DecodeState, Predictors
 from predictors.facts import TIME_SCALE_SEP, Deployment
+from predictors.online_quantile import DEFAULT_ETA, QuantileTracker
 from predictors.store_traffic import StoreTraffic
 from predictors.telemetry import RequestRecord
 from predictors.types import Tier
@@ -362,6 +365,10 @@ class Ewma:
 
 #: Observations a TBT needs: a request's Mooncake TBT over fewer gaps is mostly noise.
 MIN_TBT_INTERVALS = 8
+#: Quantities whose p90 is tracked online (as ``conductor calibrate`` scores them: the hand-over is
+#: the shipment's p90 plus the first step) and the term each one's status is shown under.
+QUANTILE_TERMS = ("prefill", "tbt", "handover", "ttft")
+_TRACKED_AS = {"prefill": "prefill", "tbt": "tbt", "transfer": "handover"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -426,20 +433,22 @@ class LearnedBundle:
     MEMO_LIMIT = 1 << 16
 
     def __init__(self, models: LearnedModels | None, book: DeploymentBook | None = None, *, online: bool = True,
-                 alpha: float = 0.05, source: str = ""):
+                 alpha: float = 0.05, source: str = "", quantile_eta: float | None = None):
         self.book = book if book is not None else DeploymentBook()
         self.models = models if models is not None else LearnedModels({})
         self.source = source
         self.online = online
         self.ewma = {t: Ewma(alpha) for t in TERMS}
         self.ttft_err = Ewma(alpha)
+        self._warned: set[tuple[str, str]] = set()
+        self.quantile_eta = quantile_eta  # None: the step the calibration tuned (models.json), else DEFAULT_ETA
+        self.quantiles = self._trackers()
         self._fallback_prefill = _AnalyticPrefillNoMemo(self.book)
         self._fallback_tbt = AnalyticTBT(self.book)
         self._fallback_transfer = AnalyticTransfer(self.book)
         self._phys: dict[int, tuple[Roofline, float, str]] = {}
         self._inst: dict[str, _Compiled] = {}
         self._memo: dict[tuple[Hashable, ...], float] = {}
-        self._warned: set[tuple[str, str]] = set()
         self.reloads = 0
         # each instance's predictor group, kept current here whenever its answers may change (a
         # correction, a reload, a registration): the scheduler reads it at every decision
@@ -466,6 +475,7 @@ class LearnedBundle:
         self._inst.clear()
         self._warned.clear()
         self.ewma = {t: Ewma(self.ewma[t].alpha) for t in TERMS}
+        self.quantiles = self._trackers()
         self.reloads += 1
         self._regroup()
 
@@ -660,6 +670,63 @@ class LearnedBundle:
         term = str(source) if source == Tier.STORE or source == Tier.HOST else "transfer"
         return t * self.ewma[term].factor.get(self._compiled(destination).group_key, 1.0)
 
+    # --- online quantile tracking of the p90 (predictors/online_quantile.py) ---------------
+    def _trackers(self) -> dict[str, QuantileTracker]:
+        """Fresh trackers (at start and at every reload: a new model has its own calibration)."""
+        oq = self.models.meta.get("online_quantile")
+        eta = self.quantile_eta if self.quantile_eta is not None else (
+            oq.get("eta", DEFAULT_ETA) if isinstance(oq, dict) else DEFAULT_ETA)
+        q = self.models.meta.get("quantile", 0.9)
+        try:
+            return {t: QuantileTracker(float(q), float(eta)) for t in QUANTILE_TERMS}
+        except (TypeError, ValueError) as e:  # a hand-edited meta: the defaults, logged once
+            self._warn("p90", f"online quantile settings refused ({e}); q 0.9, eta {DEFAULT_ETA}")
+            return {t: QuantileTracker(0.9, DEFAULT_ETA) for t in QUANTILE_TERMS}
+
+    def p90(self, term: str, key: str, calibrated: float) -> float:
+        """The served p90 of ``term`` (prefill, tbt, handover, ttft): the calibrated quantile times
+        its tracker's scale for ``key`` (the instance's :attr:`_Compiled.group_key`; ttft: "all")."""
+        return calibrated * self.quantiles[term].get(key) if self.online else calibrated
+
+    def _upper(self, term: str, instance: str, x: Sequence[float]) -> float | None:
+        """The model's calibrated upper quantile at features ``x`` (None: no model answers)."""
+        m = self.model(term, instance)[0]
+        return None if m is None else m.upper(x)
+
+    def _track(self, rec: RequestRecord, p: str | None, d: str | None, lone: bool) -> None:
+        """Each tracked term's outcome in ``rec`` against its calibrated p90 at its decision."""
+        if rec.decided_s is None or rec.end_s is None:
+            return
+        t0, now = rec.decided_s, rec.end_s
+        mt = rec.max_tokens or rec.output_tokens
+        pre = ship = step = None
+        if p is not None and p != d:
+            _, rp, ts, _ = self._physics(p)
+            pre = self._upper("prefill", p, prefill_features(rp, ts, rec.prompt_tokens, rec.hit_tokens))
+            if lone and pre is not None and rec.prefill_start_s is not None and rec.prefill_end_s is not None:
+                self.quantiles["prefill"].update(self._compiled(p).group_key, rec.prefill_end_s - rec.prefill_start_s,
+                                                 pre, t0, now)
+        if d is not None:
+            _, rd, tsd, _ = self._physics(d)
+            x = tbt_features(rd, tsd, rec.decode_running, rec.decode_kv_tokens, rec.prompt_tokens, mt,
+                             rec.decode_cluster_running or 0.0)
+            up = self._upper("tbt", d, x)
+            m = self.model("tbt", d)[0]
+            step = None if m is None else m.predict(x)
+            if up is not None and len(rec.token_times) > MIN_TBT_INTERVALS:
+                self.quantiles["tbt"].update(self._compiled(d).group_key, rec.tbt_s, up, t0, now)
+            if p is not None and p != d:
+                bw = min(self._physics(p)[1].net_bytes_per_s, rd.net_bytes_per_s)
+                ship = self._upper("transfer", d, transfer_features(rd, tsd, rec.prompt_tokens, bw))
+                if (ship is not None and step is not None and not rec.predicted_decode_wait_s
+                        and rec.first_token_s is not None and rec.prefill_end_s is not None):
+                    self.quantiles["handover"].update(self._compiled(d).group_key,
+                                                      rec.first_token_s - rec.prefill_end_s, ship + step, t0, now)
+        if pre is not None and ship is not None and step is not None and rec.ttft_s:
+            queue = rec.predicted_queue_s or 0.0
+            self.quantiles["ttft"].update("all", rec.ttft_s, (queue + pre + ship + step) * self.models.ttft_p90_scale,
+                                          t0, now)
+
     # --- online correction: each term from observations of that term ----------------------
     def correction_key(self, term: str, instance: str) -> str:
         """Prefill is corrected per instance (its observations, lone prefills, do not depend on
@@ -675,6 +742,9 @@ class LearnedBundle:
         p, d = rec.prefill_instance, rec.decode_instance
         if rec.ttft_s and rec.predicted_ttft_s:
             self.ttft_err.update("all", rec.ttft_s, rec.predicted_ttft_s, rec.predicted_ttft_s)
+        if self.online:
+            self._track(rec, p, d, lone=rec.queue_requests == 0 and not rec.transfer_tokens
+                        and not rec.host_load_tokens)
         # prefill: the leg of a request that found its prefill instance idle is its prefill
         if (p is not None and p != d and rec.queue_requests == 0 and rec.prefill_start_s is not None
                 and rec.prefill_end_s is not None and not rec.transfer_tokens and not rec.host_load_tokens):
@@ -731,12 +801,17 @@ class LearnedBundle:
                 per[i] = {"model": which, "corrected_by": k, "correction": round(e.get(k), 4),
                           "observations": e.count.get(k, 0),
                           "live_abs_error": None if k not in e.abs_err else round(e.abs_err[k], 4)}
+                qt = _TRACKED_AS.get(t)
+                if qt is not None:  # the served p90: its tracker's scale and live coverage (the group's)
+                    per[i].update(self.quantiles[qt].status(self._compiled(i).group_key))
             terms[t] = {"features": list(FEATURES[t]), "instances": per}
         err = self.ttft_err.abs_err.get("all")
         return {"predictors": "learned", "source": self.source, "reloads": self.reloads, "online": self.online,
                 "meta": self.models.meta, "terms": terms,
                 "ttft": {"observations": self.ttft_err.count.get("all", 0),
-                         "live_abs_error": None if err is None else round(err, 4)}}
+                         "live_abs_error": None if err is None else round(err, 4),
+                         **self.quantiles["ttft"].status("all")},
+                "p90_tracking": {"eta": self.quantiles["ttft"].eta, "q": self.quantiles["ttft"].q}}
 
 
 class _AnalyticPrefillNoMemo:
@@ -794,7 +869,7 @@ def _mtime(directory: str) -> float | None:
 
 def learned_predictors(model_dir: str | None = None, *, models: LearnedModels | None = None,
                        prior: Prior | None = None, online: bool = True, alpha: float = 0.05,
-                       strict: bool = True) -> LearnedPredictors:
+                       strict: bool = True, quantile_eta: float | None = None) -> LearnedPredictors:
     """The learned bundle from ``model_dir`` (or ``models``); ``strict`` False serves the analytic
     prior for every term when the directory holds no valid model (logged) instead of raising."""
     source = ""
@@ -807,7 +882,7 @@ def learned_predictors(model_dir: str | None = None, *, models: LearnedModels | 
                 raise
             log.warning("learned predictors: %s; every term answered by the analytic prior", e)
     book = DeploymentBook(prior=Prior() if prior is None else prior)
-    b = LearnedBundle(models, book, online=online, alpha=alpha, source=source)
+    b = LearnedBundle(models, book, online=online, alpha=alpha, source=source, quantile_eta=quantile_eta)
     # online: instances alike in deployment and prefill correction share a group (computed once per decision)
     group: Callable[[str], Hashable] = b.group if online else (lambda i: book.keyed(i)[0])
     p = LearnedPredictors(queue=AnalyticQueue(), prefill=b, transfer=b, tbt=b, group=group, register=b.register,

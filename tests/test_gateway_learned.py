@@ -49,6 +49,9 @@ def test_gateway_serves_with_learned_predictors_and_reloads_safely(models):
         assert st["terms"]["tbt"]["instances"]["decode-1"]["model"] == "group:llama3-8b-h200"
         assert st["ttft"]["observations"] == 4 and st["ttft"]["live_abs_error"] is not None
         assert st["terms"]["tbt"]["instances"]["decode-1"]["observations"] == 4
+        tbt = st["terms"]["tbt"]["instances"]["decode-1"]  # the served p90's online tracker (live)
+        assert tbt["p90_observations"] == 4 and 0 <= tbt["p90_live_coverage"] <= 1 and tbt["p90_scale"] > 0
+        assert st["ttft"]["p90_observations"] == 4 and st["p90_tracking"]["q"] == 0.9
         decision = requests.get(f"{url}/admin/decisions?limit=1", timeout=10).json()["decisions"][-1]
         assert decision["outcome"] == "placed" and decision["terms"]["prefill_s"] > 0
 
