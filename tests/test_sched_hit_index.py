@@ -287,19 +287,7 @@ def test_longest_prefix_on_long_chains_spanning_many_walk_chunks(stores, holes, 
     for inst, k, medium in holes:
         if index.block_removed(inst, [salted(ours, inst)[k]], medium):
             held[inst][MEDIA[medium]].discard(ours[k])
-    m = index.match(ours, limit)
-
-    def run(pred):
-        n = 0
-        while n < limit and pred(ours[n]):
-            n += 1
-        return n
-
-    for i in INSTANCES:
-        device, local = held[i]["device"], held[i]["device"] | held[i]["host"]
-        assert m.device.get(i, 0) == run(device.__contains__)
-        assert m.local.get(i, 0) == run(local.__contains__)
-    assert m.store == run(lambda x: any(x in held[i]["store"] for i in INSTANCES))
+    _assert_match_is_the_reference(index, held, ours, limit)
 
 
 def test_store_media_are_told_apart_from_host_memory_by_case():
@@ -334,6 +322,11 @@ def test_longest_prefix_when_runs_move_between_device_and_host_in_any_order(segm
         elif a == 0 or any(ours[a - 1] in t for t in held[inst].values()):  # a store onto a known parent
             assert index.block_stored(inst, eng[a:b], eng[a - 1] if a else None, seq[a:b], 1, medium)
             tier.update(ours[a:b])
+    _assert_match_is_the_reference(index, held, ours, limit)
+
+
+def _assert_match_is_the_reference(index, held, ours, limit):
+    """The index's longest runs equal those of the plain per-tier sets the test kept beside it."""
     m = index.match(ours, limit)
 
     def run(pred):
