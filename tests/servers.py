@@ -63,21 +63,34 @@ def sim_engine(role: str, *extra: str, flavor: str = "vllm"):
         engine.stop()
 
 
+#: how often a gateway is restarted on a fresh port when another process took its port first
+PORT_RETRIES = 3
+
+
 @contextmanager
 def gateway(config_text: str = "", *, log_dir: str | None = None):
-    port = free_port()
+    """A running ``conductor serve``. The port is free when chosen but not reserved: a process the
+    gateway itself starts (a Mooncake transfer engine picks random listening ports) can take it
+    before uvicorn binds, so a start that fails only with EADDRINUSE is retried on a new port."""
     with tempfile.TemporaryDirectory() as d:
         cfg = os.path.join(d, "conductor.toml")
         with open(cfg, "w") as f:
             f.write(config_text)
         log = os.path.join(log_dir or d, "gateway.log")
-        proc = conductor("serve", "--config", cfg, "--port", str(port), "--log-level", "warning", log=log)
-        try:
+        for attempt in range(PORT_RETRIES):
+            port = free_port()
+            proc = conductor("serve", "--config", cfg, "--port", str(port), "--log-level", "warning", log=log)
             try:
                 wait_until(f"http://127.0.0.1:{port}/ready", proc, timeout_s=90)
+                break
             except (RuntimeError, TimeoutError) as e:  # say why: the gateway's own last words
+                stop(proc)
                 with open(log, errors="replace") as f:
-                    raise RuntimeError(f"{e}; gateway log ends: {f.read()[-2000:]}") from None
+                    last_words = f.read()
+                if "address already in use" in last_words and attempt + 1 < PORT_RETRIES:
+                    continue
+                raise RuntimeError(f"{e}; gateway log ends: {last_words[-2000:]}") from None
+        try:
             yield {"url": f"http://127.0.0.1:{port}", "proc": proc, "dir": d}
         finally:
             stop(proc)
