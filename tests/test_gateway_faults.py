@@ -211,10 +211,12 @@ def test_sigterm_with_streams_in_flight_ends_the_gateway_and_its_engines_in_time
             # read every stream as it comes, as a client does: one left unread fills its socket
             # buffers, the gateway's last write can then never leave, and the stream is cut
             readers = [pool.submit(lambda r: [line for line in r.iter_lines() if line][-2:], r) for r in responses]
-            for _ in range(200):  # the non-streamed request is in progress too (7 reservations)
+            for _ in range(600):  # bounded, 30 s: the non-streamed request is in progress too (7 reservations)
                 if in_flight(url) >= 7:
                     break
                 time.sleep(0.05)
+            else:
+                pytest.fail("the seven requests were not all in progress within 30 s")
             if hang_an_engine:
                 os.kill(next(pid for pid in engines if b"decode" in open(f"/proc/{pid}/cmdline", "rb").read()),
                         signal.SIGSTOP)
