@@ -215,8 +215,13 @@ def compare(live_dir: str, sim_dir: str, time_scale: float) -> dict[str, Any]:
     lr, sr = list(live.values()), list(sim.values())
     ttft_diff = sorted(abs(live[i]["ttft_s"] / time_scale - sim[i]["ttft_s"]) for i in both
                        if live[i].get("ttft_s") is not None and sim[i].get("ttft_s") is not None)
+    slo_ttft = (ss.get("slo") or {}).get("ttft_ms")
     return {
         "time_scale": time_scale,
+        # how far each request's simulated TTFT is from the TTFT SLO (modelled s), for check()
+        "slo_ttft_s": slo_ttft / 1000 if slo_ttft else None,
+        "slo_ttft_margins": sorted(abs(sim[i]["ttft_s"] - slo_ttft / 1000) for i in both
+                                   if slo_ttft and sim[i].get("ttft_s") is not None),
         "requests": {"live": len(live), "sim": len(sim), "matched": len(both)},
         "ttft_s": {"live": fig(lr, "ttft_s", time_scale), "sim": fig(sr, "ttft_s", 1.0)},
         "tbt_s": {"live": fig(lr, "tbt_s", time_scale), "sim": fig(sr, "tbt_s", 1.0)},
@@ -253,6 +258,19 @@ class Bounds:
     tpot_tail_same_decode: float = 0.90
 
 
+def near_slo(c: dict[str, Any], b: Bounds) -> float:
+    """The share of requests whose simulated TTFT lies within this run's per-request live-vs-
+    simulated TTFT difference (p50) of the TTFT SLO: they may land on either side of it live.
+    That difference is host CPU work the simulation does not model (an engine tokenizing a 7k-
+    token prompt late under CPU contention: 45 ms modelled at T = 4 on a loaded machine, 9 ms on
+    a quiet one), measured in the same run; at most the TTFT tolerance of the SLO."""
+    margins, slo, diff = c.get("slo_ttft_margins"), c.get("slo_ttft_s"), c.get("ttft_abs_diff_p50_s")
+    if not margins or not slo or diff is None:
+        return 0.0
+    band = min(diff, b.ttft * slo)
+    return sum(1 for m in margins if m <= band) / len(margins)
+
+
 def check(c: dict[str, Any], b: Bounds) -> list[str]:
     """The bounds the comparison misses (empty: live and simulated agree)."""
     bad = []
@@ -267,8 +285,9 @@ def check(c: dict[str, Any], b: Bounds) -> list[str]:
                 more = f" + {extra * 1000:.2f} ms above" if extra else ""
                 bad.append(f"{key} {q}: live {lv} vs sim {sv} (tolerance {tol:.0%}{more})")
     a = c["slo_attainment"]
-    if abs(a["live"] - a["sim"]) > b.attainment:
-        bad.append(f"SLO attainment: live {a['live']:.3f} vs sim {a['sim']:.3f} (tolerance {b.attainment:.2f})")
+    tol = b.attainment + near_slo(c, b)
+    if abs(a["live"] - a["sim"]) > tol:
+        bad.append(f"SLO attainment: live {a['live']:.3f} vs sim {a['sim']:.3f} (tolerance {tol:.3f})")
     if c["same_prefill"] < b.same_prefill:
         bad.append(f"same prefill instance for {c['same_prefill']:.1%} of requests (< {b.same_prefill:.0%})")
     return bad
