@@ -311,7 +311,8 @@ class Proxy:
         """A non-streamed answer, read whole (a client leaving cancels the read: the guard and
         ``_watching`` see to the rest, and closing the response aborts the engine request)."""
         try:
-            data = await asyncio.wait_for(resp.read(), self.cfg.upstream_timeout_s)
+            async with asyncio.timeout(self.cfg.upstream_timeout_s):  # not wait_for: it can drop a cancellation
+                data = await resp.read()
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             engine = lc.record.decode_instance
             failure = (UpstreamTimeout("engine timed out", engine) if isinstance(e, asyncio.TimeoutError)

@@ -149,7 +149,10 @@ class UpstreamStream(Response):
         buf = b""
         try:
             while True:
-                chunk = await asyncio.wait_for(content.readany(), self.idle_timeout_s)
+                # asyncio.timeout, not wait_for: on 3.11 wait_for drops a cancellation arriving with
+                # the engine's next bytes, and a stream the server stops would forward on, to be cut
+                async with asyncio.timeout(self.idle_timeout_s):
+                    chunk = await content.readany()
                 if not chunk:
                     break
                 buf += chunk
