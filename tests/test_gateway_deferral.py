@@ -282,17 +282,18 @@ def test_client_leaving_while_it_waits_leaves_nothing_behind(gw):
     assert metric(gw, 'conductor_wait_seconds_count{status="aborted"}') >= 1
 
 
-@pytest.mark.parametrize("params, words", [
-    ('defer = "maybe"', "defer must be true or false"),
-    ('defer = "on"\ndefer_horizon_s = -1', "defer_horizon_s must be a number >= 0"),
-    ('defer = "on"\ndefer_scan = 0', "defer_scan must be a positive integer"),
+@pytest.mark.parametrize("params, flags, words", [
+    ('defer = "maybe"', [], "defer must be true or false"),
+    ('defer = "on"\ndefer_horizon_s = -1', [], "defer_horizon_s must be a number >= 0"),
+    ('defer = "on"\ndefer_scan = 0', [], "defer_scan must be a positive integer"),
+    ('defer = "on"', ["--policy-param", "defer_aging=soon"], "defer_aging must be a number"),  # the flag wins
+    ('', ["--policy-param", "defer"], "expected KEY=VALUE"),
 ])
 @slow
-def test_bad_defer_parameters_are_one_line_and_exit_2(tmp_path, params, words):
+def test_bad_defer_parameters_are_one_line_and_exit_2(tmp_path, params, flags, words):
     path = tmp_path / "c.toml"
     path.write_text(f"[policy_params]\n{params}\n")
-    r = subprocess.run([sys.executable, "-m", "gateway.cli", "serve", "--config", str(path)], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "gateway.cli", "serve", "--config", str(path), *flags], cwd=ROOT,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2, r.stderr
     assert r.stderr.count("\n") == 1 and words in r.stderr and "Traceback" not in r.stderr
-
