@@ -25,8 +25,9 @@ log = logging.getLogger(__name__)
 #: the longest the pump sleeps while requests wait: the ledger credits queues' progress, so a
 #: queue can reach the horizon with no event at all (and a load poll may correct it)
 MAX_SLEEP_S = 0.1
-#: the shortest: a wake-up due now is not a reason to spin
-MIN_SLEEP_S = 0.002
+#: the shortest: a wake-up due now (a queue predicted just over the horizon, a head running past its
+#: prediction) is not a reason to spin; a prefill finishing wakes it at once anyway
+MIN_SLEEP_S = 0.01
 #: waiters listed by the admin view
 ADMIN_LIST = 20
 

@@ -297,3 +297,24 @@ def test_bad_defer_parameters_are_one_line_and_exit_2(tmp_path, params, flags, w
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2, r.stderr
     assert r.stderr.count("\n") == 1 and words in r.stderr and "Traceback" not in r.stderr
+
+
+@slow
+def test_a_request_waiting_when_the_server_stops_gets_503():
+    config = CONFIG.replace('policy = "conductor"\n', 'policy = "conductor"\nshutdown_timeout_s = 2.0\n')
+    with gateway(config) as g:
+        g["model"] = requests.get(g["url"] + "/v1/models").json()["data"][0]["id"]
+
+        async def go():
+            async with aiohttp.ClientSession() as s:
+                head = asyncio.ensure_future(post(s, g, body(g["model"], 6000, 60)))
+                await asyncio.to_thread(until, lambda: cluster(g)["totals"]["reservations"] >= 1, "the head placed")
+                waiter = asyncio.ensure_future(post(s, g, body(g["model"], 500, 61), {"x-request-id": "stays"}))
+                await asyncio.to_thread(until, lambda: cluster(g)["wait_room"]["waiting"] == 1, "the request to wait")
+                g["proc"].terminate()  # SIGTERM: the graceful half (1 s) ends before the queue drains
+                return await asyncio.gather(head, waiter)
+
+        (_, _, _), (status, headers, err) = asyncio.run(go())
+        assert status == 503 and err["error"]["code"] == "shutting_down", err
+        assert headers["x-request-id"] == "stays" and int(headers["retry-after"]) >= 1
+        g["proc"].wait(timeout=30)  # (it stops: uvicorn re-raises the SIGTERM once shut down)
