@@ -68,6 +68,8 @@ PARAM_KEYS = {"defer": "enabled", "defer_horizon_s": "horizon_s", "defer_aging":
               "defer_scan": "scan"}
 #: the reason a waiting request is refused with once its remaining SLO cannot be met
 DEADLINE = "deadline"
+#: the soonest ``next_wakeup`` puts a queue-drain wake-up (a deadline may come sooner)
+MIN_WAKE_S = 0.05
 #: refusals a wait can cure: the queue is long now, drained queues would meet the SLO
 _TRANSIENT = "ttft_slo"
 
@@ -292,7 +294,8 @@ class WaitRoom:
             heapq.heappop(self._deadlines)  # stale: gone, or its deadline moved
         q = sched.min_prefill_queue_s(now)
         if math.isfinite(q) and q > self.params.horizon_s:
-            t = min(t, now + q - self.params.horizon_s)
+            # at least MIN_WAKE_S on: a head running past its prediction stops the ledger's drain
+            t = min(t, now + max(q - self.params.horizon_s, MIN_WAKE_S))
         return None if math.isinf(t) else max(t, now)
 
     def snapshot(self) -> dict[str, Any]:
