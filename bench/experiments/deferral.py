@@ -202,16 +202,17 @@ def render(results: list[dict[str, Any]], horizon: str, a: argparse.Namespace, c
 
 **Setup.** As [goodput-curves.md](goodput-curves.md): {a.prefill}P+{a.decode}D `{B.PROFILE}`,
 TBT <= {a.slo_tbt_ms:g} ms, every policy admitting against the SLO with the same learned predictors
-(calibrated here again on telemetry of conductor with the analytic prior replaying the first {results[0]['train']} requests of each trace, the synthetic
-generator with seed 1), evaluated on the next {results[0]['eval']} (seed 0). Only the
-{sum(len(v) for v in POINTS.values())} points where [goodput-bound.md](goodput-bound.md) does not exclude
-1.2x. "Defer" = deferred dispatch (`defer=on`, scheduler/deferral.py): a request whose chosen prefill instance has more than the horizon of
-predicted queue, or that is refused for TTFT only while drained queues would meet it, waits at the gateway
-holding nothing; waiting requests are dispatched cheapest predicted prefill first as queues drain, against
-what is left of their TTFT SLO, and refused (`deadline`) once even drained queues cannot meet it. Setting
-tuned on the *training* slices (conductor, the grid of the tuning table below; best mean attainment over
-every point): **{horizon}** ({', '.join(f'{k}={v}' for k, v in GRID[horizon].items())}), used for every run
-with defer below. "Best other" = the best other policy at that point in goodput-curves/results.json
+(calibrated here again on telemetry of conductor with the analytic prior replaying the first
+{results[0]['train']} requests of each trace, the synthetic generator with seed 1), evaluated on the next
+{results[0]['eval']} (seed 0). Only the {sum(len(v) for v in POINTS.values())} points where
+[goodput-bound.md](goodput-bound.md) does not exclude 1.2x. "Defer" = deferred dispatch (`defer=on`,
+scheduler/deferral.py): a request whose chosen prefill instance has more than the horizon of predicted
+queue, or that is refused for TTFT only while drained queues would meet it, waits at the gateway holding
+nothing; waiting requests are dispatched cheapest predicted prefill first as queues drain, against what
+is left of their TTFT SLO, and refused (`deadline`) once even drained queues cannot meet it. Setting tuned
+on the *training* slices (conductor, the grid of the tuning table below; best mean attainment over every
+point): **{horizon}** ({', '.join(f'{k}={v}' for k, v in GRID[horizon].items())}), used for every run with
+defer below. "Best other" = the best other policy at that point in goodput-curves/results.json
 ("stored": its attainment there; "rerun": the same policy rerun here with this run's calibration).
 Ratios are attainment ratios at equal offered load (= goodput ratios); bound = the mean-step-time
 attainment bound of goodput-bound/results.json.
