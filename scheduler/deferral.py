@@ -22,7 +22,14 @@ Rules, for any policy (``defer=on`` among its parameters, as ``cost_admission``)
 * ``pump`` goes through the waiting requests by predicted prefill cost after cache hits (the
   cheapest candidate's), minus ``aging`` x seconds waited, and dispatches each whose chosen
   instance's queue is within the horizon. It evaluates nobody while every prefill instance's
-  queue exceeds the horizon (one ledger read), and at most ``scan`` requests per call.
+  queue exceeds the horizon (one ledger read), and stops after ``scan`` evaluations in a row that
+  dispatched nobody (an evaluation costs a decision: at 64P+64D a pump of 16 took ~30 ms);
+* with ``last_chance`` (off by default), a waiting request is not held past its last chance:
+  once its predicted TTFT behind the queue as it is leaves less than ``slack`` x its TTFT SLO of
+  what remains, it is dispatched whatever the queue (shortest-job-first alone starves long
+  prompts even where every request could have met the SLO). ``slack`` >= 1 holds only what would
+  be refused today. Measured in docs/experiments/deferral.md: under overload last-chance
+  dispatches crowd the queues at the last moment and cost far more than they save.
 
 The driver (the simulator's cluster, later the live gateway's proxy) owns one :class:`WaitRoom`
 per scheduler and calls, on the scheduler's clock:
@@ -65,9 +72,11 @@ if TYPE_CHECKING:
 
 #: policy parameters the scheduler takes for itself (any policy accepts them) -> field name
 PARAM_KEYS = {"defer": "enabled", "defer_horizon_s": "horizon_s", "defer_aging": "aging",
-              "defer_scan": "scan"}
+              "defer_scan": "scan", "defer_last_chance": "last_chance", "defer_slack": "slack"}
 #: the reason a waiting request is refused with once its remaining SLO cannot be met
 DEADLINE = "deadline"
+#: the soonest ``next_wakeup`` puts a queue-drain wake-up (a deadline may come sooner)
+MIN_WAKE_S = 0.05
 #: refusals a wait can cure: the queue is long now, drained queues would meet the SLO
 _TRANSIENT = "ttft_slo"
 
@@ -79,10 +88,12 @@ class DeferParams:
     enabled: bool = False
     horizon_s: float = 1.0  # predicted queue (s) within which a request is dispatched at once
     aging: float = 0.0  # seconds of predicted cost forgiven per second waited (0: pure SJF)
-    scan: int = 16  # waiting requests evaluated per pump at most (keeps a pump cheap)
+    scan: int = 4  # evaluations in a row without a dispatch before a pump gives up (keeps it cheap)
+    last_chance: bool = False  # dispatch a waiting request behind a long queue before it is too late
+    slack: float = 0.1  # with last_chance: share of the TTFT SLO kept in hand then
 
     def __post_init__(self) -> None:
-        for name, v in (("defer_horizon_s", self.horizon_s), ("defer_aging", self.aging)):
+        for name, v in (("defer_horizon_s", self.horizon_s), ("defer_aging", self.aging), ("defer_slack", self.slack)):
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"{name} must be a number >= 0, got {v!r}")
         if not isinstance(self.scan, int) or isinstance(self.scan, bool) or self.scan < 1:
@@ -96,7 +107,7 @@ def split_params(policy_params: dict[str, Any]) -> tuple[DeferParams, dict[str, 
     kw: dict[str, Any] = {}
     for key, name in PARAM_KEYS.items():
         if key in rest:
-            hint = {"enabled": bool, "scan": int}.get(name, float)
+            hint = {"enabled": bool, "last_chance": bool, "scan": int}.get(name, float)
             kw[name] = _coerce(key, hint, rest.pop(key))
     return DeferParams(**kw), rest
 
@@ -110,6 +121,8 @@ class _Waiter:
     cost_s: float  # predicted prefill (+ pull) seconds on its cheapest candidate, after cache hits
     floor_s: float  # its best TTFT with every queue drained
     seq: int
+    instance: str | None = None  # the prefill instance its last evaluation chose
+    due_s: float = math.inf  # its last chance: dispatched then behind the queue it was last evaluated at
     evaluations: int = 1
 
     @property
@@ -117,6 +130,28 @@ class _Waiter:
         """When the remaining SLO falls below the drained-queue TTFT (inf without a TTFT SLO)."""
         ttft = self.slo.ttft_s
         return math.inf if ttft is None else self.arrived_s + ttft - self.floor_s
+
+    @property
+    def wake_s(self) -> float:
+        """When the room must look at it again whatever the queues: its last chance or its deadline."""
+        return min(self.due_s, self.expires_s)
+
+    def update(self, v: _View) -> None:
+        self.cost_s, self.floor_s, self.instance = v.cost_s, v.floor_s, v.instance
+        ttft = self.slo.ttft_s
+        self.due_s = math.inf if v.ttft_s is None or ttft is None or v.slack_s < 0 \
+            else self.arrived_s + ttft - v.ttft_s - v.slack_s
+
+
+@dataclass(slots=True)
+class _View:
+    """What one evaluation says about a request that may wait."""
+
+    cost_s: float
+    floor_s: float
+    instance: str | None
+    ttft_s: float | None  # predicted TTFT behind the queue (None: refused, it does not fit now)
+    slack_s: float  # < 0: no last chance
 
 
 class WaitRoom:
@@ -149,28 +184,32 @@ class WaitRoom:
         slo = resolve_slo(sched.slo, getattr(facts, "slo", None))
         if slo.ttft_s is None or getattr(facts, "request_id", None) in self._waiting:
             return lc.decide(facts)  # no deadline to order by (or a duplicate id): as without a wait room
-        held = self._holdable(sched.evaluate(facts))
-        if held is None:
+        view = self._holdable(sched.evaluate(facts), slo)
+        if view is None:
             return lc.decide(facts)
         now = sched.clock()
-        cost, floor = held
-        w = _Waiter(lc, facts, now, slo, cost, floor, next(self._seq))
+        w = _Waiter(lc, facts, now, slo, view.cost_s, view.floor_s, next(self._seq))
+        w.update(view)
+        if w.due_s <= now:  # it barely fits now: waiting could only lose it
+            return lc.decide(facts)
         lc.wait()
         self._waiting[facts.request_id] = w
-        heapq.heappush(self._deadlines, (w.expires_s, w.seq, facts.request_id))
+        heapq.heappush(self._deadlines, (w.wake_s, w.seq, facts.request_id))
         self.counts["waited"] += 1
         return None
 
-    def _holdable(self, d: Placement | Rejection) -> tuple[float, float] | None:
-        """(cost, floor) when waiting may help: placed behind a queue longer than the horizon, or
-        refused for TTFT alone while drained queues meet it; None: decide now."""
+    def _holdable(self, d: Placement | Rejection, slo: SLO) -> _View | None:
+        """What waiting is judged on, when it may help: placed behind a queue longer than the
+        horizon, or refused for TTFT alone while drained queues meet it; None: decide now."""
+        p = self.params
+        slack = p.slack * (slo.ttft_s or 0.0) if p.last_chance else -1.0
         if isinstance(d, Placement):
-            if d.queue_s <= self.params.horizon_s:
+            if d.queue_s <= p.horizon_s:
                 return None
-            return _cost_floor(d.explanation)
+            return _view(d.explanation, d.ttft_s, slack)
         if d.reason != _TRANSIENT or any(v.get("reason") != _TRANSIENT for v in d.explanation.get("violations", ())):
             return None
-        return _cost_floor(d.explanation)
+        return _view(d.explanation, None, slack)
 
     # --- dispatch -----------------------------------------------------------------------
     def pump(self) -> list[Decided]:
@@ -184,22 +223,31 @@ class WaitRoom:
         out: list[Decided] = []
         self._drop_finished()
         while self._deadlines and self._deadlines[0][0] <= now:
-            expires, seq, rid = heapq.heappop(self._deadlines)
+            wake, seq, rid = heapq.heappop(self._deadlines)
             w = self._waiting.get(rid)
-            if w is not None and w.seq == seq and w.expires_s == expires:  # else stale: gone, or moved
+            if w is not None and w.seq == seq and w.wake_s == wake:  # else stale: gone, or moved
                 d = self._reconsider(w, now)
                 if d is not None:
                     out.append(d)
         horizon = self.params.horizon_s
-        if not self._waiting or sched.min_prefill_queue_s(now) > horizon:
+        if not self._waiting:
             return out
-        aging = self.params.aging
-        order = sorted(self._waiting.values(), key=lambda w: (w.cost_s + aging * w.arrived_s, w.seq))
-        for w in order[:self.params.scan]:
+        if sched.min_prefill_queue_s(now) > horizon:
+            return out
+        aging, misses = self.params.aging, 0
+        # each is evaluated again even if the instance it chose last is still busy: skipping those
+        # (the policy may choose another instance now) cost 1-5 points of attainment
+        for w in sorted(self._waiting.values(), key=lambda w: (w.cost_s + aging * w.arrived_s, w.seq)):
             d = self._reconsider(w, now)
             if d is not None:
                 out.append(d)
-                if isinstance(d[1], Placement) and sched.min_prefill_queue_s(now) > horizon:
+            if d is not None and isinstance(d[1], Placement):
+                misses = 0
+                if sched.min_prefill_queue_s(now) > horizon:
+                    break
+            else:
+                misses += 1
+                if misses >= self.params.scan:
                     break
         return out
 
@@ -211,17 +259,18 @@ class WaitRoom:
         w.evaluations += 1
         if isinstance(ev, Rejection) and ev.reason == "ttft_slo_unreachable":
             return self._expire(w, now)
-        held = self._holdable(ev)
-        if held is None:  # dispatch, or refused for another reason: as without a wait room
+        view = self._holdable(ev, w.slo)
+        if view is None:  # dispatch, or refused for another reason: as without a wait room
             return self._decide(w, facts, now)
-        before = w.expires_s
-        w.cost_s, w.floor_s = held  # a prefix cached or evicted meanwhile moves cost and deadline
-        if w.expires_s > now:
-            if w.expires_s != before:
-                heapq.heappush(self._deadlines, (w.expires_s, w.seq, w.facts.request_id))
-            return None
-        # its last chance: placed, it still meets the remaining SLO behind the queue; else refused
-        return self._decide(w, facts, now) if isinstance(ev, Placement) else self._expire(w, now)
+        before = w.wake_s
+        w.update(view)  # a prefix cached or evicted, a queue grown or drained: cost, chance, deadline move
+        if isinstance(ev, Placement) and w.due_s <= now:
+            return self._decide(w, facts, now)  # its last chance: it meets the remaining SLO behind the queue
+        if w.expires_s <= now:
+            return self._expire(w, now)
+        if w.wake_s != before:
+            heapq.heappush(self._deadlines, (w.wake_s, w.seq, w.facts.request_id))
+        return None
 
     def _remaining(self, w: _Waiter, now: float) -> RequestFacts:
         ttft = w.slo.ttft_s
@@ -257,6 +306,7 @@ class WaitRoom:
         return {"arrived_s": w.arrived_s, "waited_s": now - w.arrived_s, "slo_ttft_s": w.slo.ttft_s,
                 "remaining_ttft_s": None if w.slo.ttft_s is None else w.slo.ttft_s - (now - w.arrived_s),
                 "cost_s": w.cost_s, "floor_s": w.floor_s, "horizon_s": self.params.horizon_s,
+                "last_chance": w.due_s <= now,
                 "evaluations": w.evaluations}
 
     # --- the client went away -----------------------------------------------------------
@@ -284,15 +334,16 @@ class WaitRoom:
         now = sched.clock()
         t = math.inf
         while self._deadlines:
-            expires, seq, rid = self._deadlines[0]
+            wake, seq, rid = self._deadlines[0]
             w = self._waiting.get(rid)
-            if w is not None and w.seq == seq and w.expires_s == expires:
-                t = expires
+            if w is not None and w.seq == seq and w.wake_s == wake:
+                t = wake
                 break
             heapq.heappop(self._deadlines)  # stale: gone, or its deadline moved
         q = sched.min_prefill_queue_s(now)
         if math.isfinite(q) and q > self.params.horizon_s:
-            t = min(t, now + q - self.params.horizon_s)
+            # at least MIN_WAKE_S on: a head running past its prediction stops the ledger's drain
+            t = min(t, now + max(q - self.params.horizon_s, MIN_WAKE_S))
         return None if math.isinf(t) else max(t, now)
 
     def snapshot(self) -> dict[str, Any]:
@@ -303,10 +354,11 @@ class WaitRoom:
                 "oldest_wait_s": max((now - w.arrived_s for w in self._waiting.values()), default=0.0)}
 
 
-def _cost_floor(record: dict[str, Any]) -> tuple[float, float]:
-    """(cheapest candidate's transfer + prefill, its best TTFT with drained queues) from a
-    decision record: the prefill side's terms plus the chosen pair's KV shipment and first step."""
+def _view(record: dict[str, Any], ttft_s: float | None, slack_s: float) -> _View:
+    """From a decision record: the cheapest candidate's transfer + prefill (the cost), the best TTFT
+    with drained queues (plus the chosen pair's KV shipment and first step), the chosen instance."""
     rows = candidates(record, "prefill")
     cost = min((r["transfer_s"] + r["prefill_s"] for r in rows), default=0.0)
     terms = record.get("terms") or {}
-    return cost, cost + terms.get("kv_transfer_s", 0.0) + terms.get("decode_first_step_s", 0.0)
+    floor = cost + terms.get("kv_transfer_s", 0.0) + terms.get("decode_first_step_s", 0.0)
+    return _View(cost, floor, (record.get("chosen") or {}).get("prefill"), ttft_s, slack_s)

@@ -337,15 +337,17 @@ class Scheduler:
         self.store_traffic.done(request_id, None)
         return self.ledger.release(request_id, self.clock())
 
-    def min_prefill_queue_s(self, now: float | None = None) -> float:
-        """The shortest predicted prefill queue over the healthy prefill instances (inf with
-        none): what the wait room reads before evaluating anyone (scheduler/deferral.py)."""
+    def prefill_queues_s(self, now: float | None = None) -> dict[str, float]:
+        """Each healthy prefill instance's predicted queue (s): what the wait room reads before
+        evaluating anyone (scheduler/deferral.py)."""
         pool = self._pools(frozenset()).prefill
-        if not pool:
-            return float("inf")
         states, _ = self.ledger.prefill_views([i.id for i in pool], self.clock() if now is None else now)
         queue_time = self.predictors.queue.queue_time
-        return min(queue_time(s) for s in states)
+        return {s.instance: queue_time(s) for s in states}
+
+    def min_prefill_queue_s(self, now: float | None = None) -> float:
+        """The shortest predicted prefill queue over the healthy prefill instances (inf with none)."""
+        return min(self.prefill_queues_s(now).values(), default=float("inf"))
 
     def note_rejection(self, rejection: Rejection) -> None:
         """Count and keep a refusal made outside ``decide`` (the wait room's ``deadline``)."""

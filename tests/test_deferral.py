@@ -17,11 +17,12 @@ BS = 16
 
 
 def world(defer: bool = True, horizon: float = 0.2, ttft: float | None = 2.0, aging: float = 0.0,
-          policy: str = "conductor", prefill: int = 1):
+          policy: str = "conductor", prefill: int = 1, slack: float | None = None):
     clock = Clock(0.0)
     insts = [Instance(f"p{k}", "prefill") for k in range(prefill)] + [Instance("d0", "decode")]
     sched = Scheduler(insts, policy=policy, slo=SLO(ttft_s=ttft), block_size=BS, clock=clock,
-                      defer=defer, defer_horizon_s=horizon, defer_aging=aging)
+                      defer=defer, defer_horizon_s=horizon, defer_aging=aging,
+                      defer_last_chance=slack is not None, defer_slack=slack or 0.0)
     return sched, clock, WaitRoom(sched)
 
 
@@ -35,10 +36,13 @@ def offer(sched, clock, room, rid, n, seed=None):
 
 
 def test_params_parse_and_validate():
-    p, rest = split_params({"defer": "on", "defer_horizon_s": "0.5", "defer_aging": 0.1, "work_weight": 2})
-    assert p == DeferParams(True, 0.5, 0.1) and rest == {"work_weight": 2}
+    p, rest = split_params({"defer": "on", "defer_horizon_s": "0.5", "defer_aging": 0.1, "work_weight": 2,
+                            "defer_slack": "0.2"})
+    assert p == DeferParams(True, 0.5, 0.1, slack=0.2) and rest == {"work_weight": 2}
+    assert split_params({"defer_last_chance": "on"})[0].last_chance
     assert split_params({})[0] == DeferParams() and not DeferParams().enabled
-    for bad in ({"defer": "maybe"}, {"defer_horizon_s": "-1"}, {"defer_scan": "0"}, {"defer_aging": "x"}):
+    for bad in ({"defer": "maybe"}, {"defer_horizon_s": "-1"}, {"defer_scan": "0"}, {"defer_aging": "x"},
+                {"defer_slack": "-0.1"}):
         with pytest.raises(ValueError, match="defer"):
             split_params(bad)
     assert Scheduler([Instance("b", "both")], policy="round_robin", defer="on").defer.enabled
@@ -74,6 +78,25 @@ def test_waiting_requests_dispatch_cheapest_first_with_the_remaining_slo():
         assert d.explanation["slo"]["ttft_s"] == pytest.approx(1.5)
         assert lc.record.extra["wait_s"] == pytest.approx(0.5) and lc.record.decided_s == 0.5
         assert d.ttft_s <= 1.5
+
+
+def test_last_chance_dispatches_behind_a_long_queue_before_the_slo_is_lost():
+    """Shortest-job-first alone would keep a long prompt waiting while the queue stays long; at
+    its last chance (its TTFT behind the queue leaves only the slack) it goes anyway."""
+    sched, clock, room = world(ttft=6.0, slack=0.1)  # 0.6 s of slack
+    for k in range(4):  # ~2.6 s of queue that never drains (no prefill finishes)
+        sched.decide(facts(f"r{k}", 16000, k + 1))
+    lc, d = offer(sched, clock, room, "long", 16000, 9)
+    assert d is None
+    out: list = []
+    while not out:
+        wake = room.next_wakeup()
+        assert wake is not None and clock.t < wake < 6.0
+        clock.t = wake
+        out = room.pump()
+    [(x, d)] = out
+    assert x is lc and isinstance(d, Placement) and d.queue_s > 0.2 and d.explanation["deferred"]["last_chance"]
+    assert 0.6 - 1e-6 <= (6.0 - clock.t) - d.ttft_s  # it meets what is left of its SLO, the slack in hand
 
 
 def test_deadline_refuses_and_holds_nothing():
