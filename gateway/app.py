@@ -65,6 +65,7 @@ def create_app(cfg: GatewayConfig, guard: Any = None) -> FastAPI:
             state.update(cluster=cluster, metrics=metrics,
                          proxy=Proxy(cfg, cluster, metrics, telemetry, _tokenizer(cfg, cluster), tracer))
             number_decisions(cluster.scheduler)  # /admin/decisions pages by record number
+            state["proxy"].waiting.start()  # the wait room's pump (deferred dispatch on); settle stops it
             state["indexer"] = state["proxy"].indexer = Indexer(cluster, cfg.block_size)
             gc.collect()
             gc.freeze()  # start-up objects leave the collector's view: no full-GC pauses on decisions
@@ -131,7 +132,11 @@ def create_app(cfg: GatewayConfig, guard: Any = None) -> FastAPI:
 
     @app.get("/admin/cluster")
     async def admin_cluster():
-        return state["cluster"].admin_view()
+        view = state["cluster"].admin_view()
+        waiting = state["proxy"].waiting
+        if waiting.enabled:
+            view["wait_room"] = waiting.view()
+        return view
 
     @app.get("/admin/store")
     async def admin_store():

@@ -37,6 +37,11 @@ class GatewayMetrics:
         self.decide = Histogram("conductor_decision_seconds", "Scheduler decision time",
                                 buckets=(1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2), registry=r)
         self.inflight = Gauge("conductor_requests_in_flight", "Requests holding a reservation", registry=r)
+        self.waiting = Gauge("conductor_requests_waiting", "Requests held at the gateway for a short prefill "
+                             "queue (deferred dispatch)", registry=r)
+        self.wait = Histogram("conductor_wait_seconds", "Time a request waited at the gateway before its "
+                              "dispatch, refusal or departure, by outcome", ["status"], buckets=_TTFT_BUCKETS,
+                              registry=r)
         self.inst_healthy = Gauge("conductor_instance_healthy", "1 when routable", ["instance", "role"], registry=r)
         self.inst_prefill_tokens = Gauge("conductor_instance_reserved_prefill_tokens", "Queued prefill tokens (ledger)",
                                          ["instance"], registry=r)
@@ -58,6 +63,9 @@ class GatewayMetrics:
 
     def observe(self, rec: RequestRecord) -> None:
         self.requests.labels(rec.status, rec.reject_reason or "").inc()
+        waited = rec.extra.get("wait_s")
+        if waited is not None:  # it waited at the gateway (deferred dispatch)
+            self.wait.labels(rec.status).observe(waited)
         key = rec.extra.get("api_key")
         if key is not None:
             self._observe_key(key, rec)

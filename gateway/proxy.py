@@ -43,6 +43,7 @@ from gateway.requests import (
 from gateway.streaming import StreamTally, UpstreamStream, prefill_usage
 from gateway.tenants import apply_salt
 from gateway.tokenizers import PromptTokenizer
+from gateway.waiting import DeferringLifecycle, GatewayWaitRoom
 from predictors.telemetry import RequestRecord
 from scheduler import Rejection, RequestFacts
 from scheduler.hashing import block_hashes, namespace_parent
@@ -112,6 +113,11 @@ class Proxy:
         metrics.inflight.set_function(lambda: len(ledger))  # requests holding a reservation, read at scrape
         # the predictors hear every finished request too (online correction, learned models)
         self._observers = (self._forget, metrics.observe, telemetry.write, self.sched.predictors.observe)
+        # deferred dispatch (defer=on): the first decision may wait at the gateway (gateway/waiting.py)
+        self.waiting = GatewayWaitRoom(self.sched)
+        metrics.waiting.set_function(lambda: len(self.waiting))
+        if self.waiting.enabled:  # a request ending frees queue: the waiting may go
+            self._observers += (self.waiting.observe,)
         self._spans = None if isinstance(tracer, trace.NoOpTracer) else RequestSpans(
             tracer, time.time_ns() - time.monotonic_ns())
         # characters a token may take, at most, when bounding a prompt before tokenizing it
@@ -192,6 +198,7 @@ class Proxy:
         """Let cancelled requests finish their way out (a stream's last SSE error event, a 503)
         before the engines' connections close under them; bounded by ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
+        await self.waiting.stop(ServerStopping)  # the requests still waiting: 503, they held nothing
         while self._live and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
 
@@ -207,6 +214,8 @@ class Proxy:
         observers = self._observers
         if self._spans is not None:
             observers += (functools.partial(self._spans, endpoint=endpoint),)
+        if self.waiting.enabled:  # its prefill finishing wakes the wait room's pump
+            return DeferringLifecycle(self.sched, rec, time.monotonic, observers, on_drained=self.waiting.nudge)
         return RequestLifecycle(self.sched, rec, time.monotonic, observers)
 
     def _forget(self, rec: RequestRecord) -> None:
@@ -264,8 +273,10 @@ class Proxy:
         failed: UpstreamError | None = None
         for attempt in range(2):  # one retry on another pair, only before any byte reached the client
             t0 = time.perf_counter()
-            d = lc.decide(facts)
+            # the first decision may wait for a short prefill queue (deferred dispatch); a retry may not
+            first = self.waiting.offer(lc, facts) if attempt == 0 else lc.decide(facts)
             self.metrics.decide.observe(time.perf_counter() - t0)
+            d = first if first is not None else await self.waiting.wait(lc)
             if isinstance(d, Rejection):
                 if failed is not None:  # no other pair for the retry: the client hears what failed
                     return self._upstream_failure(failed, lc)

@@ -8,7 +8,7 @@ import sys
 import threading
 
 from gateway.config import ConfigError, GatewayConfig, load_config
-from predictors.cli_args import CLIError, Parser, port
+from predictors.cli_args import CLIError, Parser, key_value, port
 
 
 def main(argv: list[str]) -> int:
@@ -18,11 +18,15 @@ def main(argv: list[str]) -> int:
     p.add_argument("--host", help="address to bind (default 127.0.0.1, or the config's host)")
     p.add_argument("--port", type=port, help="port to bind (default 8000, or the config's port)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--policy-param", type=key_value, action="append", default=[], metavar="KEY=VALUE",
+                   help="a parameter of the policy, over the config's [policy_params] (repeatable), e.g. "
+                        "defer=on (deferred dispatch, docs/gateway.md)")
     args = p.parse_args(argv)
     try:
         cfg = load_config(args.config)
     except ConfigError as e:
         raise CLIError(str(e)) from None
+    cfg.policy_params.update(args.policy_param)
     try:  # policy, its parameters and the engines' deployments: fail here, not at start-up
         from gateway.cluster import build_scheduler
 

@@ -56,3 +56,11 @@ def port(text: str) -> int:
     if not 0 <= v <= 65535:
         raise argparse.ArgumentTypeError(f"not a TCP port: {text}")
     return v
+
+
+def key_value(text: str) -> tuple[str, str]:
+    """``KEY=VALUE`` (e.g. ``--policy-param``): the pair, stripped."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key.strip(), value.strip()

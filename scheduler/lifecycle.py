@@ -5,7 +5,9 @@ Pure (no I/O, no awaits, the clock injected), so the gateway's asyncio proxy dri
 the virtual-time simulator drives it with the same transitions and the same record::
 
     ARRIVED --decide()--> PLACED --prefill_started()--> PREFILLING --prefill_finished()--> HANDED_OVER
-       |                    +-------------- colocated "both": handed_over() ------------------> |
+       |  ^                 +-------------- colocated "both": handed_over() ------------------> |
+       |  +--decide()-- WAITING (deferred dispatch: held at the gateway, nothing reserved)        |
+       +--wait()-----------^   +--refuse()--> REJECTED                                            v
        +--decide() rejected--> REJECTED (terminal)                  token() ... --> STREAMING --> finish()
     PLACED | PREFILLING | HANDED_OVER (or ARRIVED) --retry(engine)--> ARRIVED   (before the first token)
     any non-terminal --finish(status, ...)--> FINISHED (terminal)
@@ -15,6 +17,10 @@ A transition out of order raises :class:`LifecycleError` (a bug in the driver of
 reservation is released exactly once, ``end_s`` stamped and every observer called once with the
 final record (telemetry writer, metrics, a predictor's ``observe`` hook). A rejected request is
 finished by ``decide`` itself: it holds nothing, and its record is complete.
+
+WAITING is the wait room's (scheduler/deferral.py): the request is held at the gateway until a
+prefill queue is short; ``decide`` from it places (or refuses) it, ``refuse`` ends it when its
+deadline passed, ``finish`` when the client went away. Leaving it stamps ``record.extra["wait_s"]``.
 """
 from __future__ import annotations
 
@@ -35,6 +41,7 @@ Observer = Callable[[RequestRecord], None]
 
 class Phase(StrEnum):
     ARRIVED = "arrived"
+    WAITING = "waiting"  # deferred dispatch: held at the gateway, nothing reserved
     PLACED = "placed"  # holds a reservation, no engine has the request yet
     PREFILLING = "prefilling"  # the prefill leg is running on the prefill instance
     HANDED_OVER = "handed_over"  # the decode instance has (or is about to have) the request
@@ -60,7 +67,7 @@ class RequestLifecycle:
     """
 
     __slots__ = ("scheduler", "record", "clock", "observers", "phase", "placement", "facts", "excluded",
-                 "attempts")
+                 "attempts", "waiting_since")
 
     def __init__(self, scheduler: Scheduler, record: RequestRecord, clock: Callable[[], float],
                  observers: Iterable[Observer] = ()):
@@ -71,6 +78,7 @@ class RequestLifecycle:
         self.facts: RequestFacts | None = None
         self.excluded: set[str] = set()  # instances a retry must avoid
         self.attempts = 0  # decisions asked for (a retry makes it 2)
+        self.waiting_since: float | None = None  # when it entered WAITING (deferred dispatch)
 
     @property
     def request_id(self) -> str:
@@ -93,7 +101,8 @@ class RequestLifecycle:
         a retry excluded. ``facts`` may be omitted after the first call (a retry reuses them).
         A placement moves to PLACED and copies the decision's features into the record; a
         rejection finishes the request as REJECTED (``rejected`` for 429, else ``error``)."""
-        self._expect("decide", Phase.ARRIVED)
+        self._expect("decide", Phase.ARRIVED, Phase.WAITING)
+        self._stop_waiting()
         if facts is not None:
             self.facts = facts
         elif self.facts is None:
@@ -128,6 +137,36 @@ class RequestLifecycle:
         deployment = self.scheduler.deployment_name
         rec.prefill_deployment, rec.decode_deployment = deployment(d.prefill), deployment(d.decode)
         return d
+
+    # --- deferred dispatch (scheduler/deferral.py) ----------------------------------------
+    def wait(self) -> None:
+        """Held at the gateway for a short prefill queue (the wait room's ``offer``): nothing reserved."""
+        self._expect("wait", Phase.ARRIVED)
+        self.phase = Phase.WAITING
+        self.waiting_since = self.clock()
+
+    def refuse(self, rejection: Rejection) -> None:
+        """A waiting request refused without a decision (its deadline passed while it waited)."""
+        self._expect("refuse", Phase.WAITING)
+        self._stop_waiting()
+        rec = self.record
+        rec.decided_s = self.clock()
+        rec.reject_reason, rec.retry_after_s = rejection.reason, rejection.retry_after_s
+        self._end(Phase.REJECTED, "rejected" if rejection.status == OVER_SLO else "error", rejection.status,
+                  rejection.reason)
+
+    @property
+    def waited_s(self) -> float | None:
+        """Seconds it waited at the gateway (so far, while WAITING); None if it never waited."""
+        if self.waiting_since is not None:
+            return self.clock() - self.waiting_since
+        w = self.record.extra.get("wait_s")
+        return w if isinstance(w, float) else None
+
+    def _stop_waiting(self) -> None:
+        if self.waiting_since is not None:
+            self.record.extra["wait_s"] = self.clock() - self.waiting_since
+            self.waiting_since = None
 
     # --- the engine side (the driver's hooks) -------------------------------------------
     def prefill_started(self) -> None:
@@ -219,6 +258,7 @@ class RequestLifecycle:
         any (a colocated instance), its ``prompt_tokens_details.cached_tokens``."""
         if self.phase in _TERMINAL:
             return False
+        self._stop_waiting()
         rec = self.record
         if token_times is not None:
             rec.token_times = list(token_times)

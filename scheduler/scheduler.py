@@ -28,6 +28,7 @@ from predictors.types import Role, Tier
 from scheduler import admission
 from scheduler.admission import check_headroom
 from scheduler.cost import DecisionContext, DecodeCandidate, PrefillCandidate, TermBook, best_holder
+from scheduler.deferral import DeferParams, split_params as split_defer
 from scheduler.explain import bare_record, decode_table, prefill_table, request_labels
 from scheduler.hit_index import HitIndex
 from scheduler.inflight import InflightPrefixes
@@ -73,6 +74,10 @@ class Scheduler:
         # on by default for the policies that say so (conductor)
         cls = POLICIES.get(policy)
         overload, policy_params = split_params(policy_params, bool(cls and cls.cost_admission))
+        # deferred dispatch (scheduler/deferral.py): any policy takes its parameters; the driver's
+        # wait room reads them (the scheduler itself decides the same either way)
+        self.defer: DeferParams
+        self.defer, policy_params = split_defer(policy_params)
         self.policy = make_policy(policy, **policy_params)
         self.overload: CostWindow | None = CostWindow(overload) if overload.enabled else None
         self.policy_name = policy
@@ -331,6 +336,23 @@ class Scheduler:
         self.inflight.drop(request_id)
         self.store_traffic.done(request_id, None)
         return self.ledger.release(request_id, self.clock())
+
+    def prefill_queues_s(self, now: float | None = None) -> dict[str, float]:
+        """Each healthy prefill instance's predicted queue (s): what the wait room reads before
+        evaluating anyone (scheduler/deferral.py)."""
+        pool = self._pools(frozenset()).prefill
+        states, _ = self.ledger.prefill_views([i.id for i in pool], self.clock() if now is None else now)
+        queue_time = self.predictors.queue.queue_time
+        return {s.instance: queue_time(s) for s in states}
+
+    def min_prefill_queue_s(self, now: float | None = None) -> float:
+        """The shortest predicted prefill queue over the healthy prefill instances (inf with none)."""
+        return min(self.prefill_queues_s(now).values(), default=float("inf"))
+
+    def note_rejection(self, rejection: Rejection) -> None:
+        """Count and keep a refusal made outside ``decide`` (the wait room's ``deadline``)."""
+        self._count(rejection.reason)
+        self.decisions.append(rejection.explanation)
 
     # --- reporting ----------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:

@@ -78,9 +78,11 @@ def sweep(base: Workload, spec: ClusterSpec, policies: list[str], *, loads: list
 
 
 def start_gateway(cfg_dir: Path, name: str, *, policy: str, store: bool, admission: bool, prefill: int, decode: int,
-                  ttft_ms: float, tbt_ms: float, extra: str = "") -> tuple[Any, str]:
+                  ttft_ms: float, tbt_ms: float, extra: str = "",
+                  policy_params: dict[str, str] | None = None) -> tuple[Any, str]:
     """``conductor serve`` on a free loopback port with its config and log in ``cfg_dir``; returns
-    (process, URL) once it is ready. ``extra``: more top-level config lines (e.g. policy params)."""
+    (process, URL) once it is ready. ``extra``: more top-level config lines; ``policy_params``:
+    its ``--policy-param`` flags."""
     from tests.servers import conductor, free_port, wait_until
 
     cfg = cfg_dir / f"{name}.toml"
@@ -88,7 +90,8 @@ def start_gateway(cfg_dir: Path, name: str, *, policy: str, store: bool, admissi
                                                  store=str(store).lower(), prefill=prefill, decode=decode,
                                                  ttft_ms=ttft_ms, tbt_ms=tbt_ms))
     port = free_port()
-    proc = conductor("serve", "--config", str(cfg), "--port", str(port), "--log-level", "warning",
+    flags = [x for k, v in (policy_params or {}).items() for x in ("--policy-param", f"{k}={v}")]
+    proc = conductor("serve", "--config", str(cfg), "--port", str(port), "--log-level", "warning", *flags,
                      log=str(cfg_dir / f"{name}.log"))
     url = f"http://127.0.0.1:{port}"
     wait_until(url + "/ready", proc, timeout_s=120)

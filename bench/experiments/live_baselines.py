@@ -4,13 +4,14 @@ real time, every one admitting against the same SLO, and one ``conductor loadgen
 same Mooncake conversation slice to each in turn. Loopback only.
 
     .venv/bin/python bench/experiments/live_baselines.py [--rivals dynamo_cost,sglang_cache_aware,prefix_only]
-        [--slo-ttft-ms 30000,5000] [--limit 400] [--speedup 8] [--repeat 2]
+        [--slo-ttft-ms 30000,5000] [--limit 400] [--speedup 8] [--repeat 2] [--defer]
 
 ``loadgen --repeat N`` runs the targets one after another, in the listed order on even repetitions
 and reversed on odd ones, so over two repetitions every target is as often early as late (a
 repeated load in comparison mode was the position bias issue 15 measured). One load and one SLO per
-``--slo-ttft-ms`` value. Writes docs/experiments/live-baselines.md, its results.json, and the
-loadgen outputs to out/experiments/live-baselines/.
+``--slo-ttft-ms`` value. ``--defer`` adds a target ``conductor+defer``: conductor with deferred
+dispatch (``--policy-param defer=on``, gateway/waiting.py). Writes docs/experiments/live-baselines.md,
+its results.json, and the loadgen outputs to out/experiments/live-baselines/.
 """
 from __future__ import annotations
 
@@ -37,8 +38,10 @@ def run_slo(policies: list[str], ttft_ms: float, a: argparse.Namespace, cfg_dir:
     procs, urls = [], []
     try:
         for policy in policies:
-            proc, url = C.start_gateway(cfg_dir, f"{policy}-{ttft_ms:g}", policy=policy, store=False, admission=True,
-                                        prefill=a.prefill, decode=a.decode, ttft_ms=ttft_ms, tbt_ms=a.slo_tbt_ms)
+            base, _, variant = policy.partition("+")  # conductor+defer: conductor, deferred dispatch on
+            proc, url = C.start_gateway(cfg_dir, f"{policy}-{ttft_ms:g}", policy=base, store=False, admission=True,
+                                        prefill=a.prefill, decode=a.decode, ttft_ms=ttft_ms, tbt_ms=a.slo_tbt_ms,
+                                        policy_params={"defer": "on"} if variant == "defer" else None)
             procs.append(proc)
             urls.append(url)
         out = C.OUT / "live-baselines" / f"ttft-{ttft_ms:g}"
@@ -66,11 +69,12 @@ def target_rows(policies: list[str], summary: dict[str, Any]) -> tuple[list[dict
                     "hit_ratio": [s["cached_tokens"]["hit_ratio"] for s in steps],
                     "ttft_p50_s": [s["ttft_s"]["p50"] for s in steps],
                     "goodput_rps": [s["goodput_rps"] for s in steps]})
-    best_rival = max((p for p in per if p["policy"] != "conductor"), key=lambda p: C.mean(p["attainment"]) or 0.0)
+    ours = {"conductor", "conductor+defer"}
+    best_rival = max((p for p in per if p["policy"] not in ours), key=lambda p: C.mean(p["attainment"]) or 0.0)
     for p in per:
         m = C.mean(p["attainment"]) or 0.0
-        ratio = m / (C.mean(best_rival["attainment"]) or 1.0) if p["policy"] == "conductor" else None
-        rows.append([f"**{p['policy']}**" if p["policy"] == "conductor" else p["policy"],
+        ratio = m / (C.mean(best_rival["attainment"]) or 1.0) if p["policy"] in ours else None
+        rows.append([f"**{p['policy']}**" if p["policy"] in ours else p["policy"],
                      ", ".join(f"{C.pct(x)} ({pos})" for x, pos in zip(p["attainment"], p["positions"], strict=True)),
                      C.pct(m), f"{C.pct(min(p['attainment']))}-{C.pct(max(p['attainment']))}",
                      "-" if ratio is None else f"**{ratio:.2f}x** (over {best_rival['policy']})",
@@ -90,8 +94,10 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=2, help="repetitions, the target order reversed on odd ones")
     p.add_argument("--prefill", type=int, default=4)
     p.add_argument("--decode", type=int, default=2)
+    p.add_argument("--defer", action="store_true", help="also run conductor with deferred dispatch (defer=on)")
     a = p.parse_args()
-    policies = ["conductor", *[x.strip() for x in a.rivals.split(",") if x.strip()]]
+    policies = ["conductor", *(["conductor+defer"] if a.defer else []),
+                *[x.strip() for x in a.rivals.split(",") if x.strip()]]
     try:
         slos = [float(x) for x in a.slo_ttft_ms.split(",") if x.strip()]
     except ValueError:

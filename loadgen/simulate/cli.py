@@ -12,6 +12,8 @@ from engines_adapters.store.model import StoreSpec
 from predictors.cli_args import CLIError, Parser, non_negative_float, non_negative_int, positive_float, positive_int
 from predictors.learned import ModelError, load_models
 from predictors.registry import predictor_names
+from scheduler.deferral import split_params as split_defer
+from scheduler.overload import split_params as split_overload
 from scheduler.policies import POLICIES, make_policy
 
 from ..workload_args import add_workload_args, workload_from_args
@@ -95,8 +97,10 @@ def _policies(a: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
         raise CLIError(f"unknown policy {unknown[0]!r}; known: {', '.join(POLICIES)}")
     names = list(dict.fromkeys(names))
     params = dict(a.policy_param)
-    try:
-        make_policy(a.policy, **params)
+    try:  # the scheduler's own parameters (any policy takes them) first, as Scheduler() splits them
+        _, rest = split_defer(params)
+        _, rest = split_overload(rest, False)
+        make_policy(a.policy, **rest)
     except ValueError as e:
         raise CLIError(str(e)) from None
     return names, params

@@ -14,7 +14,12 @@ What the live path does, modelled here step for step:
 * with a shared store (``ClusterSpec.store``): one :class:`StoreModel` for the cluster, every
   prefill-capable engine writes its prompts through to it and loads from it what its own cache
   lacks (engines_adapters/store/connector.py), and each decision is told how many of the prompt's
-  blocks the store holds now (the gateway's store tier with no event lag).
+  blocks the store holds now (the gateway's store tier with no event lag);
+* deferred dispatch (``defer=on`` among the policy parameters, scheduler/deferral.py): a request
+  offered to the wait room may wait there; the room is pumped after every prefill finishes, on
+  the load poll, and at its own next wake-up (a queue reaching the horizon, a deadline), and a
+  request it releases is sent then. A request refused from the room is a rejection in the
+  record, with its wait (``extra["wait_s"]``).
 """
 from __future__ import annotations
 
@@ -29,7 +34,8 @@ from engines_adapters.store.model import StoreModel, StoreSpec
 from predictors.base import Predictors
 from predictors.telemetry import SLO, RequestRecord
 from predictors.types import Role
-from scheduler import Instance, Rejection, RequestFacts, Scheduler
+from scheduler import Instance, Placement, RequestFacts, Scheduler
+from scheduler.deferral import WaitRoom
 from scheduler.hashing import block_hashes
 from scheduler.hit_index import HitIndex
 from scheduler.lifecycle import Phase, RequestLifecycle
@@ -124,6 +130,8 @@ class SimCluster:
         self.on_done = on_done
         self._live: dict[str, _Live] = {}
         self.ignored_events = 0
+        self.room = WaitRoom(self.scheduler)  # with defer off, offer() is decide() and nothing waits
+        self._wake_at: float | None = None
 
     # --- requests -----------------------------------------------------------------------
     def arrive(self, rid: str, tokens: list[int], max_tokens: int, output_len: int | None = None,
@@ -138,21 +146,51 @@ class SimCluster:
         facts = RequestFacts(rid, len(tokens), self._hashes(tokens), max_tokens)
         if self.store is not None:
             facts.store_blocks = self.store_prefix(facts.block_hashes)
-        d = lc.decide(facts)
-        if isinstance(d, Rejection):
-            return
         live = self._live[rid] = _Live(lc, tokens, facts.block_hashes, max_tokens, output_len)
+        d = self.room.offer(lc, facts)  # a rejection finishes the request (``_finished`` forgets it)
+        if d is None:
+            self._schedule_wake()
+        elif isinstance(d, Placement):
+            self._send(live, d)
+
+    def _send(self, live: _Live, d: Placement) -> None:
+        """The placed request's first leg: the prefill instance's, or a colocated one's whole request."""
+        lc, rid, tokens = live.lc, live.lc.request_id, live.tokens
         try:
             if d.prefill == d.decode:  # a colocated instance serves the whole request
                 lc.handed_over()
                 live.decode = self.instances[d.decode]
-                live.decode.add(SimRequest(rid, tokens, max_tokens, output_len=output_len, block_hashes=live.hashes))
+                live.decode.add(SimRequest(rid, tokens, live.max_tokens, output_len=live.output_len,
+                                           block_hashes=live.hashes))
             else:
                 lc.prefill_started()
                 live.prefill = self.instances[d.prefill]
                 live.prefill.add(SimRequest(rid, tokens, 1, output_len=1, hold_kv=True, block_hashes=live.hashes))
         except ValueError as e:  # the engine refuses it (e.g. longer than its context): a 400
             lc.finish("error", 400, f"engine_refused: {e}")
+
+    # --- the wait room (deferred dispatch) ----------------------------------------------
+    def pump(self) -> None:
+        """Dispatch what the wait room releases now; then wake again when it next may."""
+        if not len(self.room):
+            return
+        for lc, d in self.room.pump():
+            live = self._live.get(lc.request_id)
+            if isinstance(d, Placement) and live is not None:
+                self._send(live, d)
+        self._schedule_wake()
+
+    def _schedule_wake(self) -> None:
+        t = self.room.next_wakeup()
+        if t is not None and (self._wake_at is None or t < self._wake_at):
+            self._wake_at = t
+            self.loop.at(t, self._wake, t)
+
+    def _wake(self, t: float) -> None:
+        if self._wake_at != t:  # superseded by an earlier wake-up
+            return
+        self._wake_at = None
+        self.pump()
 
     def store_prefix(self, hashes: list[int]) -> int:
         """Leading blocks of a prompt the store holds now (whole objects only)."""
@@ -174,6 +212,7 @@ class SimCluster:
     # --- engine outcomes ----------------------------------------------------------------
     def _on_step(self, inst: SimInstance, res: StepResult) -> None:
         end, live = res.end, self._live
+        prefilled = False
         if inst.role is not Role.PREFILL:  # the prefill leg's single token is not the client's
             for rid, _tok in res.emitted:
                 r = live.get(rid)
@@ -184,6 +223,7 @@ class SimCluster:
             if r is None:
                 continue
             if f.kv_held and r.lc.phase is Phase.PREFILLING:
+                prefilled = True
                 if r.lc.prefill_finished(f.cached_tokens) is not None:  # refused by the decode side
                     if inst.model.release_kv(f.request_id):
                         inst.kick()
@@ -206,6 +246,8 @@ class SimCluster:
                 src.kick()
         if res.events:
             self.loop.at(end + self.spec.kv_event_lag_s, self._deliver_events, inst.id, res.events)
+        if prefilled:  # a prefill queue got shorter: the wait room may release someone
+            self.pump()
 
     def _deliver_events(self, iid: str, events: list) -> None:
         self.ignored_events += apply_events(self.scheduler.index, iid, events)
@@ -215,3 +257,4 @@ class SimCluster:
         for iid, inst in self.instances.items():
             st = inst.model.stats()
             self.scheduler.observe_load(iid, running=st.running, waiting=st.waiting, kv_usage=st.kv_usage)
+        self.pump()

@@ -155,5 +155,10 @@ def simulate(workload: Workload, cluster: ClusterSpec, sched: SchedulerSpec, *, 
         raise RuntimeError(f"simulation ended with {sim.active()} requests unfinished (a bug)")
     if not sim.scheduler.ledger.is_idle():
         raise RuntimeError("simulation ended with reservations still held (a bug)")
+    if len(sim.room):
+        raise RuntimeError(f"simulation ended with {len(sim.room)} requests still waiting (a bug)")
     records.sort(key=lambda r: (r.arrival_s, r.request_id))
-    return SimRun(records, stats, dict(sim.scheduler.counts))
+    counts = dict(sim.scheduler.counts)
+    if sim.room.enabled:  # deferred dispatch: how many waited, went, missed their deadline
+        counts.update({f"defer_{k}": v for k, v in sim.room.counts.items()})
+    return SimRun(records, stats, counts)

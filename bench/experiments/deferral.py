@@ -1,0 +1,274 @@
+"""Deferred dispatch ("late binding", scheduler/deferral.py) at the goodput-curves points where
+goodput-bound.md does not exclude 1.2x (issue 15).
+
+    .venv/bin/python bench/experiments/deferral.py [--train 1000] [--eval 1500] [--workers 2]
+        [--workloads conversation,azure_code,synthetic] [--reuse-models] [--from-results]
+
+Per workload, as goodput_curves.py: predictors calibrated on telemetry of the *training* slice;
+the deferral setting tuned there (conductor with defer on, each setting of the grid at each of the
+points; the best mean attainment over every workload and point wins); then on the *evaluation*
+slice at each point: conductor with defer off and on (the tuned setting), and the best other policy of
+goodput-curves/results.json at that point, off and on; attainment by prompt-length quartile.
+Beside them: the best other's stored attainment and the LP bound of goodput-bound/results.json.
+Writes docs/experiments/deferral.md (+ results.json); full outputs in out/experiments/deferral/.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import _common as C
+import baselines as B
+import overload_admission as O
+
+from predictors.calibrate import calibrate  # noqa: E402
+from predictors.telemetry import SLO, RequestRecord  # noqa: E402
+
+PAGE = "deferral"
+# (TTFT SLO, load): the points of goodput-curves.md where goodput-bound.md does not exclude 1.2x
+POINTS: dict[str, list[tuple[float, float]]] = {
+    "conversation": [(5.0, 8.0), (30.0, 8.0), (30.0, 12.0), (30.0, 16.0)],
+    "azure_code": [(5.0, 4.0), (5.0, 8.0), (5.0, 12.0), (30.0, 36.0)],
+    "synthetic": [(30.0, 2.5), (30.0, 3.5)],
+}
+# deferral settings tried on the training slices: the horizon (seconds of predicted prefill queue
+# within which a request goes at once), aging, and the last-chance rule (slack 1: hold only what
+# plain admission would refuse)
+GRID: dict[str, dict[str, Any]] = {
+    "horizon 0.25 s": {"defer_horizon_s": 0.25},
+    "horizon 1 s": {"defer_horizon_s": 1.0},
+    "horizon 4 s": {"defer_horizon_s": 4.0},
+    "horizon 1 s, aging 0.05": {"defer_horizon_s": 1.0, "defer_aging": 0.05},
+    "horizon 1 s, last chance": {"defer_horizon_s": 1.0, "defer_last_chance": True, "defer_slack": 0.0},
+    "horizon 1 s, hold only the refused": {"defer_horizon_s": 1.0, "defer_last_chance": True, "defer_slack": 1.0},
+}
+TRAIN_LOADS = {name: loads for name, (_, loads) in B.WORKLOADS.items()}
+
+DISCUSSION = """## Discussion
+
+(hand-written; kept when the command regenerates the block above)
+"""
+
+
+def defer_params(variant: str | None) -> dict[str, Any]:
+    return {} if variant is None else {"defer": True, **GRID[variant]}
+
+
+def _run(job: tuple[Any, ...]) -> dict[str, Any]:
+    """One simulation (a worker process): summary, attainment by prompt-length quartile, waits."""
+    w, spec, policy, load, ttft, tbt_ms, model_dir, horizon, out = job
+    slo = SLO(ttft, tbt_ms / 1000)
+    summary, recs = O.sweep(w, spec, [policy], load, slo, model_dir, defer_params(horizon), 1,
+                            None if out is None else Path(out))[policy]
+    return {**summary, "quartiles": O.quartiles({"x": recs}, slo)["runs"]["x"],
+            "cuts": O.quartiles({"x": recs}, slo)["cuts"], **waits(recs, slo)}
+
+
+def waits(recs: list[RequestRecord], slo: SLO) -> dict[str, Any]:
+    waited = [r for r in recs if "wait_s" in r.extra]
+    ok = [r for r in waited if r.meets(slo)]
+    return {"waited": len(waited), "deadline": sum(r.reject_reason == "deadline" for r in recs),
+            "waited_met_slo": len(ok),
+            "wait_mean_s": statistics.mean(r.extra["wait_s"] for r in waited) if waited else None}
+
+
+def _pool(jobs: list[tuple[Any, ...]], workers: int) -> list[dict[str, Any]]:
+    with ProcessPoolExecutor(workers) as ex:
+        return list(ex.map(_run, jobs))
+
+
+def prepare(name: str, a: argparse.Namespace) -> dict[str, Any]:
+    spec = dataclasses.replace(C.cluster(a.prefill, a.decode), profile=B.PROFILE)
+    train_w, eval_w = B.slices(name, a.train, a.eval)
+    out = C.OUT / PAGE / name
+    model_dir = out / "models"
+    if not (a.reuse_models and (model_dir / "models.json").exists()):
+        print(f"== {name}: calibrating on {len(train_w.requests)} training requests", file=sys.stderr, flush=True)
+        calibrate(B.telemetry(train_w, spec, SLO(5.0, a.slo_tbt_ms / 1000), TRAIN_LOADS[name]), str(model_dir),
+                  holdout="random", draw=False)
+    cache = out / "tuning.json"
+    key = {"grid": GRID, "points": POINTS[name], "train": len(train_w.requests)}
+    tuning: dict[str, Any] = {}
+    if a.reuse_models and cache.exists() and json.loads(cache.read_text())["key"] == key:
+        tuning = json.loads(cache.read_text())["tuning"]
+    if not tuning:
+        grid: list[str | None] = [None, *GRID]
+        jobs = [(train_w, spec, "conductor", load, ttft, a.slo_tbt_ms, str(model_dir), h, None)
+                for ttft, load in POINTS[name] for h in grid]
+        res = iter(_pool(jobs, a.workers))
+        for ttft, load in POINTS[name]:
+            row = {h or "off": next(res)["slo_attainment"] for h in grid}
+            tuning[f"{ttft:g}@{load:g}"] = row
+            print(f"  tune {name} {ttft:g}s {load:g}: " + ", ".join(f"{k} {v:.3f}" for k, v in row.items()),
+                  file=sys.stderr, flush=True)
+        C.save_json(cache, {"key": key, "tuning": tuning})
+    return {"name": name, "spec": spec, "eval_w": eval_w, "model_dir": str(model_dir), "tuning": tuning, "out": out,
+            "train": len(train_w.requests)}
+
+
+def choose(prepared: list[dict[str, Any]]) -> str:
+    """The setting with the best mean training attainment over every point (ties: the earlier)."""
+    names = list(GRID)
+    score = {h: statistics.mean(r[h] for p in prepared for r in p["tuning"].values()) for h in names}
+    return max(names, key=lambda h: (round(score[h], 6), -names.index(h)))
+
+
+def stored() -> tuple[dict[tuple[str, float, float], dict[str, Any]], dict[tuple[str, float, float], dict[str, Any]]]:
+    """goodput-curves' points (best other, its attainment, conductor's) and goodput-bound's."""
+    curves = json.loads((C.DOCS / "goodput-curves" / "results.json").read_text())
+    bound = json.loads((C.DOCS / "goodput-bound" / "results.json").read_text())
+    pts = {(r["workload"], pt["ttft_s"], pt["load"]): pt for r in curves["results"] for pt in r["points"]}
+    bnd = {(p["workload"], p["ttft_s"], p["load"]): p for p in bound["points"]}
+    return pts, bnd
+
+
+def evaluate(p: dict[str, Any], a: argparse.Namespace, horizon: str) -> dict[str, Any]:
+    curves, bound = stored()
+    name, w, spec, mdir = p["name"], p["eval_w"], p["spec"], p["model_dir"]
+    jobs, keys = [], []
+    for ttft, load in POINTS[name]:
+        best = curves[(name, ttft, load)]["best"]
+        out = p["out"] / f"ttft{ttft:g}-{load:g}"
+        for label, policy, h in (("conductor", "conductor", None), ("conductor + defer", "conductor", horizon),
+                                 ("best other", best, None), ("best other + defer", best, horizon)):
+            jobs.append((w, spec, policy, load, ttft, a.slo_tbt_ms, mdir, h, str(out / label.replace(" + ", "-"))))
+            keys.append((ttft, load, label))
+    res = dict(zip(keys, _pool(jobs, a.workers), strict=True))
+    points = []
+    for ttft, load in POINTS[name]:
+        c, b = curves[(name, ttft, load)], bound[(name, ttft, load)]
+        runs = {label: res[(ttft, load, label)] for label in
+                ("conductor", "conductor + defer", "best other", "best other + defer")}
+        points.append({"ttft_s": ttft, "load": load, "best": c["best"],
+                       "stored_best": c["runs"][c["best"]]["slo_attainment"],
+                       "stored_conductor": c["runs"]["conductor"]["slo_attainment"],
+                       "bound": b["mean"]["attainment_bound"], "runs": runs})
+        print(f"  {name} {ttft:g}s {load:g}: " + ", ".join(f"{k} {v['slo_attainment']:.3f}" for k, v in runs.items()),
+              file=sys.stderr, flush=True)
+    return {"workload": name, "train": p["train"], "eval": len(w.requests), "tuning": p["tuning"], "points": points}
+
+
+def render(results: list[dict[str, Any]], horizon: str, a: argparse.Namespace, command: str) -> str:
+    rows, frows, lrows = [], [], []
+    for r in results:
+        for pt in r["points"]:
+            runs = pt["runs"]
+            cu, co = runs["conductor"]["slo_attainment"], runs["conductor + defer"]["slo_attainment"]
+            bo, bd = runs["best other"]["slo_attainment"], runs["best other + defer"]["slo_attainment"]
+            best_any = max(bo, bd)
+            lbl = f"{pt['ttft_s']:g} s", load_label(r["workload"], pt["load"])
+            rows.append([r["workload"], *lbl, pt["best"], C.pct(pt["stored_best"]), C.pct(bo), C.pct(bd),
+                         C.pct(cu), f"**{C.pct(co)}**", f"{100 * (co - cu):+.1f}",
+                         f"{cu / max(bo, 1e-9):.2f}x", f"**{co / max(bo, 1e-9):.2f}x**",
+                         f"{co / max(best_any, 1e-9):.2f}x", C.pct(pt["bound"]), f"{co / pt['bound']:.2f}"])
+            for label in ("conductor", "conductor + defer", "best other", "best other + defer"):
+                v = runs[label]
+                name = label.replace("best other", pt["best"])
+                frows.append([r["workload"], *lbl, name, *[C.pct(x) for x in v["quartiles"]]])
+                lrows.append([r["workload"], *lbl, name, C.pct(v["slo_attainment"]), v["rejected"], v["deadline"],
+                              v["unreachable"], v["late_ttft"], v["late_tbt"], v["waited"], v["waited_met_slo"],
+                              "-" if v["wait_mean_s"] is None else C.sec(v["wait_mean_s"]),
+                              C.sec(v["ttft_mean_s"]), C.pct(v["hit_ratio"])])
+    summary = C.md_table(["workload", "TTFT SLO", "load", "best other", "best other (stored)", "best other (rerun)",
+                          "best other + defer", "conductor", "conductor + defer", "defer gain (points)",
+                          "conductor / best other", "conductor + defer / best other",
+                          "conductor + defer / best of (best other, best other + defer)", "bound",
+                          "conductor + defer / bound"], rows)
+    keys = ["off", *GRID]
+    trows = []
+    for r in results:
+        for k, row in r["tuning"].items():
+            ttft, load = k.split("@")
+            trows.append([r["workload"], f"{ttft} s", load_label(r["workload"], float(load)),
+                          *[C.pct(row[x]) for x in keys]])
+    tuning = C.md_table(["workload (training slice)", "TTFT SLO", "load", *keys], trows)
+    fair = C.md_table(["workload", "TTFT SLO", "load", "run", "Q1 (shortest prompts)", "Q2", "Q3",
+                       "Q4 (longest)"], frows)
+    loss = C.md_table(["workload", "TTFT SLO", "load", "run", "attainment", "refused", "of which deadline",
+                       "unreachable", "late TTFT", "late TBT", "waited", "waited and met the SLO", "mean wait (s)",
+                       "TTFT mean (s)", "prefix hit"], lrows)
+    return f"""
+**Command** (regenerates this block and results.json):
+
+```
+{command}
+```
+
+**Setup.** As [goodput-curves.md](goodput-curves.md): {a.prefill}P+{a.decode}D `{B.PROFILE}`,
+TBT <= {a.slo_tbt_ms:g} ms, every policy admitting against the SLO with the same learned predictors
+(calibrated here again on telemetry of conductor with the analytic prior replaying the first
+{results[0]['train']} requests of each trace, the synthetic generator with seed 1), evaluated on the next
+{results[0]['eval']} (seed 0). Only the {sum(len(v) for v in POINTS.values())} points where
+[goodput-bound.md](goodput-bound.md) does not exclude 1.2x. "Defer" = deferred dispatch (`defer=on`,
+scheduler/deferral.py): a request whose chosen prefill instance has more than the horizon of predicted
+queue, or that is refused for TTFT only while drained queues would meet it, waits at the gateway holding
+nothing; waiting requests are dispatched cheapest predicted prefill first as queues drain, against what
+is left of their TTFT SLO, and refused (`deadline`) once even drained queues cannot meet it. Setting tuned
+on the *training* slices (conductor, the grid of the tuning table below; best mean attainment over every
+point): **{horizon}** ({', '.join(f'{k}={v}' for k, v in GRID[horizon].items())}), used for every run with
+defer below. "Best other" = the best other policy at that point in goodput-curves/results.json
+("stored": its attainment there; "rerun": the same policy rerun here with this run's calibration).
+Ratios are attainment ratios at equal offered load (= goodput ratios); bound = the mean-step-time
+attainment bound of goodput-bound/results.json.
+
+{summary}
+**Tuning** (conductor on the *training* slice; SLO attainment; "aging 0.05": 0.05 s of predicted
+cost forgiven per second waited; "last chance": a waiting request is dispatched behind a long queue once
+waiting longer would lose it; "hold only the refused": admissible requests go at once, only those plain
+admission would refuse for TTFT wait):
+
+{tuning}
+**Fairness**: SLO attainment by prompt-length quartile of the evaluation slice:
+
+{fair}
+**Where the requests went**:
+
+{loss}"""
+
+
+def load_label(name: str, load: float) -> str:
+    return f"{B.SYNTH_RATE * load:g} req/s" if name == "synthetic" else f"{load:g}x"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--train", type=int, default=1000, help="training requests (calibration and tuning slice)")
+    p.add_argument("--eval", type=int, default=1500, help="evaluation requests (the next slice)")
+    p.add_argument("--workloads", default=",".join(POINTS))
+    p.add_argument("--prefill", type=int, default=8)
+    p.add_argument("--decode", type=int, default=8)
+    p.add_argument("--slo-tbt-ms", type=float, default=200.0)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--setting", choices=list(GRID), default=None, help="skip tuning: use this setting")
+    p.add_argument("--reuse-models", action="store_true",
+                   help="skip calibration (and tuning) when out/experiments/deferral/<workload> has them")
+    p.add_argument("--from-results", action="store_true", help="re-render the page from its results.json")
+    a = p.parse_args()
+    if a.from_results:
+        saved = json.loads((C.DOCS / PAGE / "results.json").read_text())
+        results, command, horizon = saved["results"], saved["command"], saved["setting"]
+        GRID.clear()
+        GRID.update(saved["grid"])
+    else:
+        if a.setting is not None:
+            for k in [k for k in GRID if k != a.setting]:
+                del GRID[k]
+        prepared = [prepare(n, a) for n in a.workloads.split(",")]
+        horizon = choose(prepared)
+        print(f"tuned on the training slices: {horizon}", file=sys.stderr, flush=True)
+        results, command = [evaluate(x, a, horizon) for x in prepared], C.command_line()
+    C.save_json(C.DOCS / PAGE / "results.json", {"command": command, "profile": B.PROFILE, "setting": horizon,
+                                                 "grid": GRID, "results": results})
+    C.write_doc(C.DOCS / f"{PAGE}.md", "Deferred dispatch (late binding) at the points where 1.2x is not excluded",
+                render(results, horizon, a, command), DISCUSSION, command)
+    print(f"wrote {C.DOCS / PAGE}.md")
+
+
+if __name__ == "__main__":
+    main()

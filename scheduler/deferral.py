@@ -1,0 +1,364 @@
+"""Deferred dispatch ("late binding"): requests wait at the gateway and are dispatched cheapest
+predicted prefill first when a prefill instance's queue is short (issue 15).
+
+Why: a scheduler that decides once, at arrival, in front of engines that run their queues first
+come first served, admits under overload whichever request arrives while a queue happens to be
+short; a long prompt then holds that queue and the short requests behind it are refused.
+Goodput counts requests within the SLO, and serving the cheapest first (shortest job first) is
+what maximises that count, but an engine cannot reorder what it was given. So the gateway keeps
+the order: a request whose chosen prefill instance has more than ``horizon_s`` of predicted
+queue waits here, holding no reservation, and as queues drain the cheapest waiting request goes.
+
+Rules, for any policy (``defer=on`` among its parameters, as ``cost_admission``):
+
+* on arrival the request is evaluated (``Scheduler.evaluate``, nothing reserved). Placed with the
+  chosen instance's predicted queue within ``horizon_s``: decided (committed) at once. Placed
+  with a longer queue, or refused for TTFT alone while drained queues would still meet it
+  (``ttft_slo``): it waits. Anything else (unreachable SLO, TBT, cost admission, bad input,
+  nothing healthy) is decided at once, exactly as without the wait room;
+* its TTFT SLO runs from its arrival: every later evaluation gets the *remaining* SLO through
+  ``RequestFacts.slo``, and once even drained queues cannot meet it the request is refused
+  (429 ``deadline``, with the time it waited);
+* ``pump`` goes through the waiting requests by predicted prefill cost after cache hits (the
+  cheapest candidate's), minus ``aging`` x seconds waited, and dispatches each whose chosen
+  instance's queue is within the horizon. It evaluates nobody while every prefill instance's
+  queue exceeds the horizon (one ledger read), and stops after ``scan`` evaluations in a row that
+  dispatched nobody (an evaluation costs a decision: at 64P+64D a pump of 16 took ~30 ms);
+* with ``last_chance`` (off by default), a waiting request is not held past its last chance:
+  once its predicted TTFT behind the queue as it is leaves less than ``slack`` x its TTFT SLO of
+  what remains, it is dispatched whatever the queue (shortest-job-first alone starves long
+  prompts even where every request could have met the SLO). ``slack`` >= 1 holds only what would
+  be refused today. Measured in docs/experiments/deferral.md: under overload last-chance
+  dispatches crowd the queues at the last moment and cost far more than they save.
+
+The driver (the simulator's cluster, later the live gateway's proxy) owns one :class:`WaitRoom`
+per scheduler and calls, on the scheduler's clock:
+
+* ``offer(lc, facts)`` once per request at its arrival, *instead of* ``lc.decide(facts)``: the
+  Placement (send the first leg) or Rejection (answer it) exactly as ``decide`` returns them, or
+  None: the request waits (``lc.phase`` is WAITING) until ``pump`` releases it;
+* ``pump()`` whenever queues may have drained: after every prefill finishes, on the periodic
+  load poll, and at ``next_wakeup()`` (when a queue is predicted to reach the horizon or a
+  waiting request's deadline passes; None with nobody waiting). It returns the
+  ``(lifecycle, Placement | Rejection)`` pairs it decided, in order; each lifecycle is already
+  PLACED or REJECTED: send the placed ones' first leg, answer the refused ones (429 +
+  Retry-After);
+* ``cancel(request_id)`` when the client goes away: the request leaves the room and its
+  lifecycle is returned (it held nothing); the driver finishes it (aborted). A lifecycle that
+  anyone finished while it waited is dropped by the next ``pump`` too.
+
+With ``defer`` off (the default) ``offer`` is ``lc.decide(facts)``, nothing ever waits and
+``pump`` touches nothing: decisions are byte-identical to a driver without a wait room.
+Pure: no I/O, no awaits, the scheduler's injected clock.
+"""
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from predictors.telemetry import SLO
+from scheduler.admission import resolve_slo, retry_seconds
+from scheduler.explain import bare_record, candidates, request_labels
+from scheduler.policies.base import _coerce  # the same parsing as every policy parameter
+from scheduler.types import OVER_SLO, Placement, Rejection, RequestFacts
+
+if TYPE_CHECKING:
+    from scheduler.lifecycle import RequestLifecycle
+    from scheduler.scheduler import Scheduler
+
+#: policy parameters the scheduler takes for itself (any policy accepts them) -> field name
+PARAM_KEYS = {"defer": "enabled", "defer_horizon_s": "horizon_s", "defer_aging": "aging",
+              "defer_scan": "scan", "defer_last_chance": "last_chance", "defer_slack": "slack"}
+#: the reason a waiting request is refused with once its remaining SLO cannot be met
+DEADLINE = "deadline"
+#: the soonest ``next_wakeup`` puts a queue-drain wake-up (a deadline may come sooner)
+MIN_WAKE_S = 0.05
+#: refusals a wait can cure: the queue is long now, drained queues would meet the SLO
+_TRANSIENT = "ttft_slo"
+
+Decided = tuple["RequestLifecycle", Placement | Rejection]
+
+
+@dataclass(frozen=True)
+class DeferParams:
+    enabled: bool = False
+    horizon_s: float = 1.0  # predicted queue (s) within which a request is dispatched at once
+    aging: float = 0.0  # seconds of predicted cost forgiven per second waited (0: pure SJF)
+    scan: int = 4  # evaluations in a row without a dispatch before a pump gives up (keeps it cheap)
+    last_chance: bool = False  # dispatch a waiting request behind a long queue before it is too late
+    slack: float = 0.1  # with last_chance: share of the TTFT SLO kept in hand then
+
+    def __post_init__(self) -> None:
+        for name, v in (("defer_horizon_s", self.horizon_s), ("defer_aging", self.aging), ("defer_slack", self.slack)):
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"{name} must be a number >= 0, got {v!r}")
+        if not isinstance(self.scan, int) or isinstance(self.scan, bool) or self.scan < 1:
+            raise ValueError(f"defer_scan must be a positive integer, got {self.scan!r}")
+
+
+def split_params(policy_params: dict[str, Any]) -> tuple[DeferParams, dict[str, Any]]:
+    """The deferral parameters out of a policy's raw parameters (TOML natives or
+    ``--policy-param`` strings), and the rest for the policy."""
+    rest = dict(policy_params)
+    kw: dict[str, Any] = {}
+    for key, name in PARAM_KEYS.items():
+        if key in rest:
+            hint = {"enabled": bool, "last_chance": bool, "scan": int}.get(name, float)
+            kw[name] = _coerce(key, hint, rest.pop(key))
+    return DeferParams(**kw), rest
+
+
+@dataclass(slots=True)
+class _Waiter:
+    lc: RequestLifecycle
+    facts: RequestFacts
+    arrived_s: float
+    slo: SLO  # the request's whole SLO (configured, with its overrides)
+    cost_s: float  # predicted prefill (+ pull) seconds on its cheapest candidate, after cache hits
+    floor_s: float  # its best TTFT with every queue drained
+    seq: int
+    instance: str | None = None  # the prefill instance its last evaluation chose
+    due_s: float = math.inf  # its last chance: dispatched then behind the queue it was last evaluated at
+    evaluations: int = 1
+
+    @property
+    def expires_s(self) -> float:
+        """When the remaining SLO falls below the drained-queue TTFT (inf without a TTFT SLO)."""
+        ttft = self.slo.ttft_s
+        return math.inf if ttft is None else self.arrived_s + ttft - self.floor_s
+
+    @property
+    def wake_s(self) -> float:
+        """When the room must look at it again whatever the queues: its last chance or its deadline."""
+        return min(self.due_s, self.expires_s)
+
+    def update(self, v: _View) -> None:
+        self.cost_s, self.floor_s, self.instance = v.cost_s, v.floor_s, v.instance
+        ttft = self.slo.ttft_s
+        self.due_s = math.inf if v.ttft_s is None or ttft is None or v.slack_s < 0 \
+            else self.arrived_s + ttft - v.ttft_s - v.slack_s
+
+
+@dataclass(slots=True)
+class _View:
+    """What one evaluation says about a request that may wait."""
+
+    cost_s: float
+    floor_s: float
+    instance: str | None
+    ttft_s: float | None  # predicted TTFT behind the queue (None: refused, it does not fit now)
+    slack_s: float  # < 0: no last chance
+
+
+class WaitRoom:
+    """Requests waiting at the gateway for a short prefill queue; see the module docstring."""
+
+    def __init__(self, scheduler: Scheduler, params: DeferParams | None = None):
+        self.scheduler = scheduler
+        self.params = params if params is not None else scheduler.defer
+        self._waiting: dict[str, _Waiter] = {}
+        self._deadlines: list[tuple[float, int, str]] = []  # (expires_s, seq, id); stale entries skipped
+        self._seq = itertools.count()
+        self.counts: dict[str, int] = {"waited": 0, "dispatched": 0, DEADLINE: 0, "refused": 0, "cancelled": 0}
+
+    @property
+    def enabled(self) -> bool:
+        return self.params.enabled
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._waiting
+
+    # --- arrival ------------------------------------------------------------------------
+    def offer(self, lc: RequestLifecycle, facts: RequestFacts) -> Placement | Rejection | None:
+        """Decide now (as ``lc.decide(facts)``) or hold the request (None: ``lc`` is WAITING)."""
+        if not self.params.enabled:
+            return lc.decide(facts)
+        sched = self.scheduler
+        slo = resolve_slo(sched.slo, getattr(facts, "slo", None))
+        if slo.ttft_s is None or getattr(facts, "request_id", None) in self._waiting:
+            return lc.decide(facts)  # no deadline to order by (or a duplicate id): as without a wait room
+        view = self._holdable(sched.evaluate(facts), slo)
+        if view is None:
+            return lc.decide(facts)
+        now = sched.clock()
+        w = _Waiter(lc, facts, now, slo, view.cost_s, view.floor_s, next(self._seq))
+        w.update(view)
+        if w.due_s <= now:  # it barely fits now: waiting could only lose it
+            return lc.decide(facts)
+        lc.wait()
+        self._waiting[facts.request_id] = w
+        heapq.heappush(self._deadlines, (w.wake_s, w.seq, facts.request_id))
+        self.counts["waited"] += 1
+        return None
+
+    def _holdable(self, d: Placement | Rejection, slo: SLO) -> _View | None:
+        """What waiting is judged on, when it may help: placed behind a queue longer than the
+        horizon, or refused for TTFT alone while drained queues meet it; None: decide now."""
+        p = self.params
+        slack = p.slack * (slo.ttft_s or 0.0) if p.last_chance else -1.0
+        if isinstance(d, Placement):
+            if d.queue_s <= p.horizon_s:
+                return None
+            return _view(d.explanation, d.ttft_s, slack)
+        if d.reason != _TRANSIENT or any(v.get("reason") != _TRANSIENT for v in d.explanation.get("violations", ())):
+            return None
+        return _view(d.explanation, None, slack)
+
+    # --- dispatch -----------------------------------------------------------------------
+    def pump(self) -> list[Decided]:
+        """Refuse the waiting requests whose deadline passed, then dispatch the cheapest waiting
+        requests whose chosen prefill instance's queue is within the horizon."""
+        if not self._waiting:
+            self._deadlines.clear()
+            return []
+        sched = self.scheduler
+        now = sched.clock()
+        out: list[Decided] = []
+        self._drop_finished()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            wake, seq, rid = heapq.heappop(self._deadlines)
+            w = self._waiting.get(rid)
+            if w is not None and w.seq == seq and w.wake_s == wake:  # else stale: gone, or moved
+                d = self._reconsider(w, now)
+                if d is not None:
+                    out.append(d)
+        horizon = self.params.horizon_s
+        if not self._waiting:
+            return out
+        if sched.min_prefill_queue_s(now) > horizon:
+            return out
+        aging, misses = self.params.aging, 0
+        # each is evaluated again even if the instance it chose last is still busy: skipping those
+        # (the policy may choose another instance now) cost 1-5 points of attainment
+        for w in sorted(self._waiting.values(), key=lambda w: (w.cost_s + aging * w.arrived_s, w.seq)):
+            d = self._reconsider(w, now)
+            if d is not None:
+                out.append(d)
+            if d is not None and isinstance(d[1], Placement):
+                misses = 0
+                if sched.min_prefill_queue_s(now) > horizon:
+                    break
+            else:
+                misses += 1
+                if misses >= self.params.scan:
+                    break
+        return out
+
+    def _reconsider(self, w: _Waiter, now: float) -> Decided | None:
+        """Evaluate a waiting request with its remaining SLO: dispatch it, keep it waiting (None)
+        or refuse it."""
+        facts = self._remaining(w, now)
+        ev = self.scheduler.evaluate(facts)
+        w.evaluations += 1
+        if isinstance(ev, Rejection) and ev.reason == "ttft_slo_unreachable":
+            return self._expire(w, now)
+        view = self._holdable(ev, w.slo)
+        if view is None:  # dispatch, or refused for another reason: as without a wait room
+            return self._decide(w, facts, now)
+        before = w.wake_s
+        w.update(view)  # a prefix cached or evicted, a queue grown or drained: cost, chance, deadline move
+        if isinstance(ev, Placement) and w.due_s <= now:
+            return self._decide(w, facts, now)  # its last chance: it meets the remaining SLO behind the queue
+        if w.expires_s <= now:
+            return self._expire(w, now)
+        if w.wake_s != before:
+            heapq.heappush(self._deadlines, (w.wake_s, w.seq, w.facts.request_id))
+        return None
+
+    def _remaining(self, w: _Waiter, now: float) -> RequestFacts:
+        ttft = w.slo.ttft_s
+        assert ttft is not None, "only a request with a TTFT SLO waits"
+        return dataclasses.replace(w.facts, slo=SLO(ttft_s=ttft - (now - w.arrived_s), tbt_s=w.slo.tbt_s))
+
+    def _decide(self, w: _Waiter, facts: RequestFacts, now: float) -> Decided:
+        del self._waiting[w.facts.request_id]
+        d = w.lc.decide(facts)
+        d.explanation["deferred"] = self._note(w, now)
+        self.counts["dispatched" if isinstance(d, Placement) else "refused"] += 1
+        return w.lc, d
+
+    def _expire(self, w: _Waiter, now: float) -> Decided:
+        """Refuse a waiting request whose remaining SLO even drained queues cannot meet."""
+        del self._waiting[w.facts.request_id]
+        sched, rid = self.scheduler, w.facts.request_id
+        remaining = (w.slo.ttft_s or 0.0) - (now - w.arrived_s)
+        msg = (f"deadline: waited {now - w.arrived_s:.3f}s at the gateway for a prefill queue within "
+               f"{self.params.horizon_s:g}s; the remaining {remaining:.3f}s of the TTFT SLO is less than the "
+               f"{w.floor_s:.3f}s it needs even with no queue")
+        record = bare_record(rid, sched.policy_name, now, DEADLINE, msg)
+        record.update(request_labels(w.facts), deferred=self._note(w, now))
+        retry = retry_seconds(max(0.0, sched.min_prefill_queue_s(now) - self.params.horizon_s))
+        d = Rejection(rid, OVER_SLO, DEADLINE, msg, retry, record)
+        sched.note_rejection(d)
+        w.lc.refuse(d)
+        self.counts[DEADLINE] += 1
+        return w.lc, d
+
+    def _note(self, w: _Waiter, now: float) -> dict[str, Any]:
+        """What the decision record says about the wait."""
+        return {"arrived_s": w.arrived_s, "waited_s": now - w.arrived_s, "slo_ttft_s": w.slo.ttft_s,
+                "remaining_ttft_s": None if w.slo.ttft_s is None else w.slo.ttft_s - (now - w.arrived_s),
+                "cost_s": w.cost_s, "floor_s": w.floor_s, "horizon_s": self.params.horizon_s,
+                "last_chance": w.due_s <= now,
+                "evaluations": w.evaluations}
+
+    # --- the client went away -----------------------------------------------------------
+    def cancel(self, request_id: str) -> RequestLifecycle | None:
+        """Take a waiting request out (it held nothing); its lifecycle, for the driver to finish."""
+        w = self._waiting.pop(request_id, None)
+        if w is None:
+            return None
+        self.counts["cancelled"] += 1
+        return w.lc
+
+    def _drop_finished(self) -> None:
+        for rid in [rid for rid, w in self._waiting.items() if w.lc.done]:
+            del self._waiting[rid]
+            self.counts["cancelled"] += 1
+
+    # --- when to pump next ---------------------------------------------------------------
+    def next_wakeup(self) -> float | None:
+        """The earliest time a pump may decide something a prefill completion would not prompt:
+        a waiting request's deadline, or the shortest queue draining to the horizon (the ledger
+        credits the head's progress). None with nobody waiting."""
+        if not self._waiting:
+            return None
+        sched = self.scheduler
+        now = sched.clock()
+        t = math.inf
+        while self._deadlines:
+            wake, seq, rid = self._deadlines[0]
+            w = self._waiting.get(rid)
+            if w is not None and w.seq == seq and w.wake_s == wake:
+                t = wake
+                break
+            heapq.heappop(self._deadlines)  # stale: gone, or its deadline moved
+        q = sched.min_prefill_queue_s(now)
+        if math.isfinite(q) and q > self.params.horizon_s:
+            # at least MIN_WAKE_S on: a head running past its prediction stops the ledger's drain
+            t = min(t, now + max(q - self.params.horizon_s, MIN_WAKE_S))
+        return None if math.isinf(t) else max(t, now)
+
+    def snapshot(self) -> dict[str, Any]:
+        """For /debug and reports: who waits, and how many went which way."""
+        now = self.scheduler.clock()
+        return {"enabled": self.params.enabled, "horizon_s": self.params.horizon_s, "aging": self.params.aging,
+                "waiting": len(self._waiting), "counts": dict(self.counts),
+                "oldest_wait_s": max((now - w.arrived_s for w in self._waiting.values()), default=0.0)}
+
+
+def _view(record: dict[str, Any], ttft_s: float | None, slack_s: float) -> _View:
+    """From a decision record: the cheapest candidate's transfer + prefill (the cost), the best TTFT
+    with drained queues (plus the chosen pair's KV shipment and first step), the chosen instance."""
+    rows = candidates(record, "prefill")
+    cost = min((r["transfer_s"] + r["prefill_s"] for r in rows), default=0.0)
+    terms = record.get("terms") or {}
+    floor = cost + terms.get("kv_transfer_s", 0.0) + terms.get("decode_first_step_s", 0.0)
+    return _View(cost, floor, (record.get("chosen") or {}).get("prefill"), ttft_s, slack_s)
