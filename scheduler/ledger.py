@@ -22,6 +22,9 @@ _prefill_state = tuple.__new__  # a PrefillState built in C (its generated __new
 
 #: Seconds over which :meth:`Ledger.decode_load` averages the cluster's decode load.
 DECODE_LOAD_TAU_S = 1.0
+#: Output tokens a second beyond any real decode (a thousand times the fastest): a reservation
+#: predicted to decode faster has a span too short for :meth:`Ledger.decode_kv_wait`'s sweep.
+_MAX_DECODE_RATE = 1e6
 
 
 @dataclass(slots=True)
@@ -275,18 +278,28 @@ class Ledger:
         cap = d.kv_capacity_tokens
         if d.kv_tokens + need_tokens <= cap:  # fits even if everyone held their whole output: the usual case
             return 0.0
+        if t0 < now:  # the KV is ready already: what matters is room from now on, not at a past instant
+            t0 = now
         # a reservation decoding over [start, end) holds prompt + output x (t - start) / span: a
         # linear piece a + b t; one overdue (end <= now) is assumed to hold its whole KV on. One
         # sweep over the candidate times adds pieces as they start and drops them as they end.
+        # Pieces are taken from ``now`` (t - now, not a monotonic clock's 1e6 s) so the sums stay
+        # small; a piece steeper than any decode (span ~0) would swamp them (rate x start cancels
+        # catastrophically, or overflows to inf/nan), so the few such are evaluated directly.
         joins: list[tuple[float, float, float]] = []
         leaves: list[tuple[float, float, float]] = []
+        steep: list[Reservation] = []
         for r in d.decoding.values():
             s, e = r.decode_start_s, r.decode_end_s
             if e <= now:
                 joins.append((s, float(r.kv_tokens), 0.0))
             elif e > s:
+                if r.output_tokens > _MAX_DECODE_RATE * (e - s):
+                    steep.append(r)
+                    leaves.append((e, 0.0, 0.0))  # its end is still a candidate time
+                    continue
                 rate = r.output_tokens / (e - s)
-                piece = (r.kv_tokens - r.output_tokens - rate * s, rate)
+                piece = (r.kv_tokens - r.output_tokens - rate * (s - now), rate)
                 joins.append((s, *piece))
                 leaves.append((e, *piece))
         joins.sort()
@@ -299,7 +312,12 @@ class Ledger:
                 a, b, i = a + joins[i][1], b + joins[i][2], i + 1
             while j < len(leaves) and leaves[j][0] <= t:
                 a, b, j = a - leaves[j][1], b - leaves[j][2], j + 1
-            if a + b * t + need_tokens <= cap:
+            used = a + b * (t - now)
+            for r in steep:  # decoding at t: s <= t < e
+                if r.decode_start_s <= t < r.decode_end_s:
+                    done = (t - r.decode_start_s) / (r.decode_end_s - r.decode_start_s)
+                    used += r.kv_tokens - r.output_tokens * (1.0 - (done if done < 1.0 else 1.0))
+            if used + need_tokens <= cap:
                 return max(0.0, t - now)
         return max(0.0, ends[-1] - now)
 

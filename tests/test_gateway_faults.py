@@ -78,8 +78,10 @@ def in_flight(url: str) -> float:
 
 def test_a_hung_decode_is_ejected_its_waiting_requests_retried_and_its_streams_ended():
     with sim_engine("prefill") as p1, sim_engine("decode") as d1, sim_engine("decode") as d2:
-        cfg = config('policy = "round_robin"', engines=(("p1", p1, "prefill"), ("d1", d1, "decode"),
-                                                        ("d2", d2, "decode")))
+        # a stopped engine never answers, so any probe timeout finds it; the default 0.8 s also
+        # trips on a live engine starved of CPU on a loaded machine (and ejected d1 would fail it)
+        cfg = config('policy = "round_robin"', "health_timeout_s = 3",
+                     engines=(("p1", p1, "prefill"), ("d1", d1, "decode"), ("d2", d2, "decode")))
         with gateway(cfg) as g:
             url = g["url"]
             model = requests.get(url + "/v1/models").json()["data"][0]["id"]
@@ -100,13 +102,19 @@ def test_a_hung_decode_is_ejected_its_waiting_requests_retried_and_its_streams_e
 
             with concurrent.futures.ThreadPoolExecutor(4) as pool:
                 wholes = [pool.submit(whole, i) for i in range(4)]  # two of them decode on d2
-                for _ in range(200):  # bounded: until all four hold reservations (beside the 2 streams)
+                for _ in range(600):  # bounded: until all four hold reservations (beside the 2 streams)
                     if in_flight(url) >= 6:
                         break
                     time.sleep(0.05)
+                else:
+                    pytest.fail("the four requests were not all placed within 30 s")
                 with stopped(d2["proc"]):
                     answers = [w.result() for w in wholes]
                     rest = [line for line in lines if line]  # ends when the gateway ends the stream
+                    # the stream on d1 decodes on for 3000 tokens: hang up on it rather than race
+                    # its end (``drained`` waits 10 s: too short for it on a loaded machine)
+                    for r in opened:
+                        r.close()
                     view = drained(url)
             for r in opened:
                 r.close()
@@ -203,10 +211,12 @@ def test_sigterm_with_streams_in_flight_ends_the_gateway_and_its_engines_in_time
             # read every stream as it comes, as a client does: one left unread fills its socket
             # buffers, the gateway's last write can then never leave, and the stream is cut
             readers = [pool.submit(lambda r: [line for line in r.iter_lines() if line][-2:], r) for r in responses]
-            for _ in range(200):  # the non-streamed request is in progress too (7 reservations)
+            for _ in range(600):  # bounded, 30 s: the non-streamed request is in progress too (7 reservations)
                 if in_flight(url) >= 7:
                     break
                 time.sleep(0.05)
+            else:
+                pytest.fail("the seven requests were not all in progress within 30 s")
             if hang_an_engine:
                 os.kill(next(pid for pid in engines if b"decode" in open(f"/proc/{pid}/cmdline", "rb").read()),
                         signal.SIGSTOP)

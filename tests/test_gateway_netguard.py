@@ -28,6 +28,7 @@ class App:
 
     def __init__(self) -> None:
         self.release = threading.Event()
+        self.holding = threading.Event()  # a /v1/hold request is in its handler
         self.disconnects = 0
 
     async def __call__(self, scope, receive, send) -> None:
@@ -43,6 +44,7 @@ class App:
             if not msg.get("more_body"):
                 break
         if scope["path"] == "/v1/hold":
+            self.holding.set()
             while not self.release.is_set():
                 await asyncio.sleep(0.01)
         body = json.dumps({"size": size}).encode()
@@ -201,7 +203,7 @@ def test_requests_in_progress_beyond_the_limit_get_503_with_retry_after():
     with server(Limits(100), request_limit=1) as (port, app):
         held = connect(port)
         held.sendall(b"POST /v1/hold HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n")
-        time.sleep(0.2)  # the first request is in progress (it waits for release)
+        assert app.holding.wait(10)  # the first request is in progress (it waits for release)
         second = post(port)
         assert second.startswith(b"HTTP/1.1 503 ") and b"retry-after: 1" in second.lower()
         assert json.loads(second.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "too_many_requests_in_progress"

@@ -2,7 +2,7 @@
 import math
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
 from predictors.base import PrefillState
@@ -223,6 +223,7 @@ def _kv_wait_by_definition(led, iid, need, t0, now):
     cap = d.kv_capacity_tokens
     if d.kv_tokens + need <= cap:
         return 0.0
+    t0 = max(t0, now)  # room at a past instant is no room now
     ends = sorted({t0, *(r.decode_end_s for r in d.decoding.values() if r.decode_end_s > t0)})
     for t in ends:
         used = 0.0
@@ -237,7 +238,20 @@ def _kv_wait_by_definition(led, iid, need, t0, now):
     return max(0.0, ends[-1] - now)
 
 
-@settings(max_examples=200, deadline=None, derandomize=True)  # a fixed sample: no run-to-run flakiness
+# derandomize fixes the seed, not the sample: Hypothesis also draws constants found in every
+# imported project module, so which other tests are collected (or any edit) changes it. The
+# cases that broke the sweep once are therefore pinned as examples: a span too short for
+# a + b t (rate x start swamped the sum; a subnormal span overflowed it to nan), and KV
+# ready before now (the sweep looked at room at a past instant).
+@settings(max_examples=200, deadline=None, derandomize=True)
+@example([(0.0, 0.0, 1, 0), (0.0, 0.0, 1, 0), (0.0, 0.0, 1, 915), (0.0, 0.0, 2285, 1950), (0.0, 0.0, 693, 366),
+          (0.0, 0.0, 1005, 620), (0.0, 0.0, 3994, 2000), (1.0, 1.0, 1, 0), (0.0, 2.0, 2168, 1),
+          (0.0, 1.175494351e-38, 1, 1)], 4000, 1.0, 0.0)
+@example([(0.0, 0.0, 1, 177), (0.0, 0.0, 1, 1439), (0.0, 0.0, 56, 366), (0.0, 0.0, 6, 79), (0.0, 0.0, 175, 95),
+          (0.0, 0.0, 450, 160), (0.0, 0.0, 577, 183), (0.0, 0.0, 239, 240), (0.0, 0.0, 535, 358),
+          (0.0, 0.0, 1101, 398), (0.0, 0.0, 1045, 464), (0.0, 0.0, 515, 479), (0.0, 0.0, 829, 641),
+          (0.0, 0.0, 702, 983), (0.0, 1.0, 1166, 110), (0.0, 2.2250738585e-313, 440, 1)], 5990, 0.0, 0.0)
+@example([(0.0, 10.0, 4000, 2000)], 15500, 0.0, 5.0)
 @given(st.lists(st.tuples(st.floats(0, 50), st.floats(0, 50), st.integers(1, 4000), st.integers(0, 2000)),
                 max_size=30),
        st.integers(1, 8000), st.floats(0, 60), st.floats(0, 10))

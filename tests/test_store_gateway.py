@@ -48,6 +48,25 @@ async def _wait(cond, timeout=10.0):
     raise AssertionError("condition not reached")
 
 
+async def _subscribed(tier: StoreTier, url: str) -> None:
+    """Events mode: a PUB drops what it sends before a subscriber's connection is up (ZeroMQ's
+    slow joiner), so put probe objects until the tier hears one, then remove them again."""
+    if tier.mode != "events":
+        return
+    for i in range(200):  # bounded: ~10 s
+        await tier.client.put(prompt_keys(1, seed=1000 + i)[2], [1000])
+        await asyncio.sleep(0.05)
+        if tier.events:
+            break
+    else:
+        raise AssertionError("the tier never heard the store's events")
+    requests.post(url + "/api/v1/remove_all", timeout=5)
+
+    async def cleared():
+        return not tier.resident
+    await _wait(cleared)
+
+
 @pytest.mark.parametrize("mode", ["events", "query"])
 def test_the_tier_follows_puts_and_removals_and_survives_an_outage(mode):
     port, events = free_port(), free_port()
@@ -62,7 +81,7 @@ def test_the_tier_follows_puts_and_removals_and_survives_an_outage(mode):
         assert await tier.start() and not tier.stale and tier.mode == mode
         tokens, hashes, keys = prompt_keys(20)
         assert await tier.lookup(tokens, hashes, 20) == 0
-        await asyncio.sleep(0.2)  # events: the subscription settles (a PUB drops what comes before)
+        await _subscribed(tier, url)
         await tier.client.put(keys[:12], [1000] * 12)
 
         async def holds(n):
@@ -179,7 +198,7 @@ def test_salted_and_lora_lookups_find_their_own_namespaces_objects_only(mode):
         tokens, base_hashes, _ = prompt_keys(20)
         recipe = KeyRecipe("vllm", MODEL, BS, seed_text="0")
         a_keys = [recipe.key(d) for d in vllm_block_digests(tokens, BS, seed_text="0", cache_salt="tenant-a")]
-        await asyncio.sleep(0.2)  # events: the subscription settles
+        await _subscribed(tier, f"http://127.0.0.1:{port}")
         await tier.client.put(a_keys[:12], [1000] * 12)
 
         def chain(salt=None, lora=None):
