@@ -45,6 +45,7 @@ GRID: dict[str, dict[str, Any]] = {
     "horizon 1 s": {"defer_horizon_s": 1.0},
     "horizon 4 s": {"defer_horizon_s": 4.0},
     "horizon 1 s, aging 0.05": {"defer_horizon_s": 1.0, "defer_aging": 0.05},
+    "horizon 1 s, aging 0.05, scan 64": {"defer_horizon_s": 1.0, "defer_aging": 0.05, "defer_scan": 64},
     "horizon 1 s, last chance": {"defer_horizon_s": 1.0, "defer_last_chance": True, "defer_slack": 0.0},
     "horizon 1 s, hold only the refused": {"defer_horizon_s": 1.0, "defer_last_chance": True, "defer_slack": 1.0},
 }
@@ -219,7 +220,8 @@ attainment bound of goodput-bound/results.json.
 
 {summary}
 **Tuning** (conductor on the *training* slice; SLO attainment; "aging 0.05": 0.05 s of predicted
-cost forgiven per second waited; "last chance": a waiting request is dispatched behind a long queue once
+cost forgiven per second waited; "scan 64": a pump gives up after 64 evaluations in a row that
+dispatched nobody (default 4); "last chance": a waiting request is dispatched behind a long queue once
 waiting longer would lose it; "hold only the refused": admissible requests go at once, only those plain
 admission would refuse for TTFT wait):
 
