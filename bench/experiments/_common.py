@@ -98,6 +98,18 @@ def start_gateway(cfg_dir: Path, name: str, *, policy: str, store: bool, admissi
     return proc, url
 
 
+def sim_arguments(p: Any, workloads: str, *, eval_requests: int = 1500, workers: int = 2,
+                  train_help: str = "training requests (calibration and tuning slice)") -> None:
+    """The options every simulated experiment takes: its slices, workloads, cluster, TBT SLO, workers."""
+    p.add_argument("--train", type=int, default=1000, help=train_help)
+    p.add_argument("--eval", type=int, default=eval_requests, help="evaluation requests (the next slice)")
+    p.add_argument("--workloads", default=workloads)
+    p.add_argument("--prefill", type=int, default=8)
+    p.add_argument("--decode", type=int, default=8)
+    p.add_argument("--slo-tbt-ms", type=float, default=200.0)
+    p.add_argument("--workers", type=int, default=workers)
+
+
 def mean(xs: Any) -> float | None:
     xs = [x for x in xs if x is not None]
     return sum(xs) / len(xs) if xs else None

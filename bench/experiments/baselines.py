@@ -175,14 +175,9 @@ def ratios(r: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--train", type=int, default=1000, help="training requests (telemetry slice)")
-    p.add_argument("--eval", type=int, default=1000, help="evaluation requests (the next slice)")
-    p.add_argument("--workloads", default=",".join(WORKLOADS))
-    p.add_argument("--prefill", type=int, default=8)
-    p.add_argument("--decode", type=int, default=8)
+    C.sim_arguments(p, ",".join(WORKLOADS), eval_requests=1000, workers=1,
+                    train_help="training requests (telemetry slice)")
     p.add_argument("--slo-ttft-s", type=float, default=5.0)
-    p.add_argument("--slo-tbt-ms", type=float, default=200.0)
-    p.add_argument("--workers", type=int, default=1)
     p.add_argument("--from-results", action="store_true", help="re-render the page from its results.json")
     p.add_argument("--overload", action="store_true",
                    help="conductor's overload admission by cost at TTFT 5 s and 30 s, with its ablations "

@@ -240,13 +240,7 @@ def load_label(name: str, load: float) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--train", type=int, default=1000, help="training requests (calibration and tuning slice)")
-    p.add_argument("--eval", type=int, default=1500, help="evaluation requests (the next slice)")
-    p.add_argument("--workloads", default=",".join(POINTS))
-    p.add_argument("--prefill", type=int, default=8)
-    p.add_argument("--decode", type=int, default=8)
-    p.add_argument("--slo-tbt-ms", type=float, default=200.0)
-    p.add_argument("--workers", type=int, default=2)
+    C.sim_arguments(p, ",".join(POINTS))
     p.add_argument("--setting", choices=list(GRID), default=None, help="skip tuning: use this setting")
     p.add_argument("--reuse-models", action="store_true",
                    help="skip calibration (and tuning) when out/experiments/deferral/<workload> has them")

@@ -274,13 +274,7 @@ attainment / prefix hit; the best mean attainment over every row wins):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--train", type=int, default=1000, help="training requests (calibration and tuning slice)")
-    p.add_argument("--eval", type=int, default=1500, help="evaluation requests (the next slice)")
-    p.add_argument("--workloads", default=",".join(LOADS))
-    p.add_argument("--prefill", type=int, default=8)
-    p.add_argument("--decode", type=int, default=8)
-    p.add_argument("--slo-tbt-ms", type=float, default=200.0)
-    p.add_argument("--workers", type=int, default=2)
+    C.sim_arguments(p, ",".join(LOADS))
     p.add_argument("--reuse-models", action="store_true",
                    help="skip calibration when out/experiments/goodput-curves/<workload>/models exists")
     p.add_argument("--tune-only", action="store_true", help="calibrate and tune on the training slices; no evaluation")
