@@ -24,6 +24,10 @@ Rules, for any policy (``defer=on`` among its parameters, as ``cost_admission``)
   instance's queue is within the horizon. It evaluates nobody while every prefill instance's
   queue exceeds the horizon (one ledger read), and stops after ``scan`` evaluations in a row that
   dispatched nobody (an evaluation costs a decision: at 64P+64D a pump of 16 took ~30 ms);
+* with ``spill`` (off by default), a waiting request whose chosen instance's queue exceeds the
+  horizon is evaluated again among the instances within it (``Scheduler.evaluate_excluding``: the
+  policy's own choice there) and dispatched there if it meets its remaining TTFT SLO: the room is
+  then work-conserving (an evaluation more per such waiter in a pump);
 * with ``last_chance`` (off by default), a waiting request is not held past its last chance:
   once its predicted TTFT behind the queue as it is leaves less than ``slack`` x its TTFT SLO of
   what remains, it is dispatched whatever the queue (shortest-job-first alone starves long
@@ -72,7 +76,8 @@ if TYPE_CHECKING:
 
 #: policy parameters the scheduler takes for itself (any policy accepts them) -> field name
 PARAM_KEYS = {"defer": "enabled", "defer_horizon_s": "horizon_s", "defer_aging": "aging",
-              "defer_scan": "scan", "defer_last_chance": "last_chance", "defer_slack": "slack"}
+              "defer_scan": "scan", "defer_last_chance": "last_chance", "defer_slack": "slack",
+              "defer_spill": "spill"}
 #: the reason a waiting request is refused with once its remaining SLO cannot be met
 DEADLINE = "deadline"
 #: the soonest ``next_wakeup`` puts a queue-drain wake-up (a deadline may come sooner)
@@ -91,6 +96,7 @@ class DeferParams:
     scan: int = 4  # evaluations in a row without a dispatch before a pump gives up (keeps it cheap)
     last_chance: bool = False  # dispatch a waiting request behind a long queue before it is too late
     slack: float = 0.1  # with last_chance: share of the TTFT SLO kept in hand then
+    spill: bool = False  # a waiter whose chosen instance is busy may go to one with room if it meets its SLO there
 
     def __post_init__(self) -> None:
         for name, v in (("defer_horizon_s", self.horizon_s), ("defer_aging", self.aging), ("defer_slack", self.slack)):
@@ -107,7 +113,7 @@ def split_params(policy_params: dict[str, Any]) -> tuple[DeferParams, dict[str, 
     kw: dict[str, Any] = {}
     for key, name in PARAM_KEYS.items():
         if key in rest:
-            hint = {"enabled": bool, "last_chance": bool, "scan": int}.get(name, float)
+            hint = {"enabled": bool, "last_chance": bool, "spill": bool, "scan": int}.get(name, float)
             kw[name] = _coerce(key, hint, rest.pop(key))
     return DeferParams(**kw), rest
 
@@ -262,6 +268,10 @@ class WaitRoom:
         view = self._holdable(ev, w.slo)
         if view is None:  # dispatch, or refused for another reason: as without a wait room
             return self._decide(w, facts, now)
+        if self.params.spill:
+            spilled = self._spill(w, facts, now)
+            if spilled is not None:
+                return spilled
         before = w.wake_s
         w.update(view)  # a prefix cached or evicted, a queue grown or drained: cost, chance, deadline move
         if isinstance(ev, Placement) and w.due_s <= now:
@@ -272,14 +282,35 @@ class WaitRoom:
             heapq.heappush(self._deadlines, (w.wake_s, w.seq, w.facts.request_id))
         return None
 
+    def _spill(self, w: _Waiter, facts: RequestFacts, now: float) -> Decided | None:
+        """Work conservation (``spill``): the policy's choice among the prefill instances whose queue
+        is within the horizon, dispatched there if it meets the remaining SLO; None: keep waiting.
+        Without it the cheapest waiters all wait for the busy instance holding their prefix, the
+        pump gives up on them and the instances with room stay idle."""
+        horizon = self.params.horizon_s
+        queues = self.scheduler.prefill_queues_s(now)
+        busy = {i for i, q in queues.items() if q > horizon}
+        if not busy or len(busy) == len(queues):
+            return None
+        ev = self.scheduler.evaluate_excluding(facts, busy)
+        w.evaluations += 1
+        ttft = facts.slo.ttft_s if facts.slo is not None else None
+        if not isinstance(ev, Placement) or ev.queue_s > horizon or ttft is None or ev.ttft_s > ttft:
+            return None
+        added = busy - w.lc.excluded  # for this decision only: a later retry may use them again
+        d = self._decide(w, facts, now, busy)
+        w.lc.excluded -= added
+        d[1].explanation["deferred"]["spilled_from"] = w.instance
+        return d
+
     def _remaining(self, w: _Waiter, now: float) -> RequestFacts:
         ttft = w.slo.ttft_s
         assert ttft is not None, "only a request with a TTFT SLO waits"
         return dataclasses.replace(w.facts, slo=SLO(ttft_s=ttft - (now - w.arrived_s), tbt_s=w.slo.tbt_s))
 
-    def _decide(self, w: _Waiter, facts: RequestFacts, now: float) -> Decided:
+    def _decide(self, w: _Waiter, facts: RequestFacts, now: float, exclude: set[str] | None = None) -> Decided:
         del self._waiting[w.facts.request_id]
-        d = w.lc.decide(facts)
+        d = w.lc.decide(facts, exclude or ())
         d.explanation["deferred"] = self._note(w, now)
         self.counts["dispatched" if isinstance(d, Placement) else "refused"] += 1
         return w.lc, d

@@ -286,6 +286,11 @@ class Scheduler:
         """What ``decide`` would answer now, without reserving or advancing policy state."""
         return self._guarded(facts, frozenset(), commit=False)
 
+    def evaluate_excluding(self, facts: RequestFacts, exclude: set[str]) -> Placement | Rejection:
+        """What ``decide`` would answer now among the instances not in ``exclude``, reserving
+        nothing: the wait room's spill (scheduler/deferral.py) asks it of the instances with room."""
+        return self._guarded(facts, frozenset(x for x in exclude if isinstance(x, str)), commit=False)
+
     def retry_excluding(self, facts: RequestFacts, exclude: set[str]) -> Placement | Rejection:
         """Release the request's reservation (if any) and decide again avoiding ``exclude``."""
         rid = getattr(facts, "request_id", None)

@@ -3,6 +3,7 @@ goodput-bound.md does not exclude 1.2x (issue 15).
 
     .venv/bin/python bench/experiments/deferral.py [--train 1000] [--eval 1500] [--workers 2]
         [--workloads conversation,azure_code,synthetic] [--reuse-models] [--from-results]
+        [--tune-only [--row SETTING ...]]
 
 Per workload, as goodput_curves.py: predictors calibrated on telemetry of the *training* slice;
 the deferral setting tuned there (conductor with defer on, each setting of the grid at each of the
@@ -46,6 +47,9 @@ GRID: dict[str, dict[str, Any]] = {
     "horizon 4 s": {"defer_horizon_s": 4.0},
     "horizon 1 s, aging 0.05": {"defer_horizon_s": 1.0, "defer_aging": 0.05},
     "horizon 1 s, aging 0.05, scan 64": {"defer_horizon_s": 1.0, "defer_aging": 0.05, "defer_scan": 64},
+    "horizon 1 s, aging 0.05, spill": {"defer_horizon_s": 1.0, "defer_aging": 0.05, "defer_spill": True},
+    "horizon 1 s, aging 0.05, scan 64, spill": {"defer_horizon_s": 1.0, "defer_aging": 0.05, "defer_scan": 64,
+                                                 "defer_spill": True},
     "horizon 1 s, last chance": {"defer_horizon_s": 1.0, "defer_last_chance": True, "defer_slack": 0.0},
     "horizon 1 s, hold only the refused": {"defer_horizon_s": 1.0, "defer_last_chance": True, "defer_slack": 1.0},
 }
@@ -181,14 +185,7 @@ def render(results: list[dict[str, Any]], horizon: str, a: argparse.Namespace, c
                           "conductor / best other", "conductor + defer / best other",
                           "conductor + defer / best of (best other, best other + defer)", "bound",
                           "conductor + defer / bound"], rows)
-    keys = ["off", *GRID]
-    trows = []
-    for r in results:
-        for k, row in r["tuning"].items():
-            ttft, load = k.split("@")
-            trows.append([r["workload"], f"{ttft} s", load_label(r["workload"], float(load)),
-                          *[C.pct(row[x]) for x in keys]])
-    tuning = C.md_table(["workload (training slice)", "TTFT SLO", "load", *keys], trows)
+    tuning = tuning_table(results)
     fair = C.md_table(["workload", "TTFT SLO", "load", "run", "Q1 (shortest prompts)", "Q2", "Q3",
                        "Q4 (longest)"], frows)
     loss = C.md_table(["workload", "TTFT SLO", "load", "run", "attainment", "refused", "of which deadline",
@@ -234,6 +231,18 @@ admission would refuse for TTFT wait):
 {loss}"""
 
 
+def tuning_table(results: list[dict[str, Any]]) -> str:
+    """Conductor's training-slice attainment per point and setting of the grid (and off)."""
+    keys = ["off", *GRID]
+    trows = []
+    for r in results:
+        for k, row in r["tuning"].items():
+            ttft, load = k.split("@")
+            trows.append([r["workload"], f"{ttft} s", load_label(r["workload"], float(load)),
+                          *[C.pct(row[x]) for x in keys]])
+    return C.md_table(["workload (training slice)", "TTFT SLO", "load", *keys], trows)
+
+
 def load_label(name: str, load: float) -> str:
     return f"{B.SYNTH_RATE * load:g} req/s" if name == "synthetic" else f"{load:g}x"
 
@@ -245,7 +254,20 @@ def main() -> None:
     p.add_argument("--reuse-models", action="store_true",
                    help="skip calibration (and tuning) when out/experiments/deferral/<workload> has them")
     p.add_argument("--from-results", action="store_true", help="re-render the page from its results.json")
+    p.add_argument("--tune-only", action="store_true",
+                   help="calibrate and tune on the training slices, print the tuning table; no evaluation, no page")
+    p.add_argument("--row", action="append", choices=list(GRID), default=None,
+                   help="with --tune-only: tune only this setting (repeatable; 'off' is always run)")
     a = p.parse_args()
+    if a.row and not a.tune_only:
+        p.error("--row needs --tune-only (the page's choice is over the whole grid)")
+    if a.tune_only:
+        for k in [k for k in GRID if a.row and k not in a.row]:
+            del GRID[k]
+        prepared = [prepare(n, a) for n in a.workloads.split(",")]
+        print(tuning_table([{"workload": x["name"], "tuning": x["tuning"]} for x in prepared]))
+        print(f"best mean over these points: {choose(prepared)}")
+        return
     if a.from_results:
         saved = json.loads((C.DOCS / PAGE / "results.json").read_text())
         results, command, horizon = saved["results"], saved["command"], saved["setting"]
