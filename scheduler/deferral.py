@@ -25,9 +25,10 @@ Rules, for any policy (``defer=on`` among its parameters, as ``cost_admission``)
   queue exceeds the horizon (one ledger read), and stops after ``scan`` evaluations in a row that
   dispatched nobody (an evaluation costs a decision: at 64P+64D a pump of 16 took ~30 ms);
 * with ``spill`` (off by default), a waiting request whose chosen instance's queue exceeds the
-  horizon is evaluated again among the instances within it (``Scheduler.evaluate_excluding``: the
-  policy's own choice there) and dispatched there if it meets its remaining TTFT SLO: the room is
-  then work-conserving (an evaluation more per such waiter in a pump);
+  horizon is evaluated again with the busy instances avoided as destinations (``evaluate(facts,
+  avoid=...)``: the policy's own choice among those with room; a busy holder still serves its
+  prefix to a peer pull) and dispatched there if it meets its remaining TTFT SLO: the room is then
+  work-conserving (an evaluation more per such waiter in a pump);
 * with ``last_chance`` (off by default), a waiting request is not held past its last chance:
   once its predicted TTFT behind the queue as it is leaves less than ``slack`` x its TTFT SLO of
   what remains, it is dispatched whatever the queue (shortest-job-first alone starves long
@@ -77,7 +78,7 @@ if TYPE_CHECKING:
 #: policy parameters the scheduler takes for itself (any policy accepts them) -> field name
 PARAM_KEYS = {"defer": "enabled", "defer_horizon_s": "horizon_s", "defer_aging": "aging",
               "defer_scan": "scan", "defer_last_chance": "last_chance", "defer_slack": "slack",
-              "defer_spill": "spill"}
+              "defer_spill": "spill", "defer_spill_ratio": "spill_ratio"}
 #: the reason a waiting request is refused with once its remaining SLO cannot be met
 DEADLINE = "deadline"
 #: the soonest ``next_wakeup`` puts a queue-drain wake-up (a deadline may come sooner)
@@ -97,11 +98,15 @@ class DeferParams:
     last_chance: bool = False  # dispatch a waiting request behind a long queue before it is too late
     slack: float = 0.1  # with last_chance: share of the TTFT SLO kept in hand then
     spill: bool = False  # a waiter whose chosen instance is busy may go to one with room if it meets its SLO there
+    spill_ratio: float = math.inf  # with spill: only if its prefill there costs at most this x its cheapest
 
     def __post_init__(self) -> None:
         for name, v in (("defer_horizon_s", self.horizon_s), ("defer_aging", self.aging), ("defer_slack", self.slack)):
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"{name} must be a number >= 0, got {v!r}")
+        r = self.spill_ratio  # inf: any cost
+        if not (isinstance(r, (int, float)) and not isinstance(r, bool) and r >= 1):
+            raise ValueError(f"defer_spill_ratio must be a number >= 1 (inf: any cost), got {r!r}")
         if not isinstance(self.scan, int) or isinstance(self.scan, bool) or self.scan < 1:
             raise ValueError(f"defer_scan must be a positive integer, got {self.scan!r}")
 
@@ -269,7 +274,7 @@ class WaitRoom:
         if view is None:  # dispatch, or refused for another reason: as without a wait room
             return self._decide(w, facts, now)
         if self.params.spill:
-            spilled = self._spill(w, facts, now)
+            spilled = self._spill(w, facts, now, view.cost_s)
             if spilled is not None:
                 return spilled
         before = w.wake_s
@@ -282,24 +287,25 @@ class WaitRoom:
             heapq.heappush(self._deadlines, (w.wake_s, w.seq, w.facts.request_id))
         return None
 
-    def _spill(self, w: _Waiter, facts: RequestFacts, now: float) -> Decided | None:
+    def _spill(self, w: _Waiter, facts: RequestFacts, now: float, cost_s: float) -> Decided | None:
         """Work conservation (``spill``): the policy's choice among the prefill instances whose queue
         is within the horizon, dispatched there if it meets the remaining SLO; None: keep waiting.
         Without it the cheapest waiters all wait for the busy instance holding their prefix, the
-        pump gives up on them and the instances with room stay idle."""
+        pump gives up on them and the instances with room stay idle. ``spill_ratio`` bounds the work
+        a spill may add: its transfer + prefill there against ``cost_s``, its cheapest anywhere."""
         horizon = self.params.horizon_s
         queues = self.scheduler.prefill_queues_s(now)
         busy = {i for i, q in queues.items() if q > horizon}
         if not busy or len(busy) == len(queues):
             return None
-        ev = self.scheduler.evaluate_excluding(facts, busy)
+        ev = self.scheduler.evaluate(facts, avoid=busy)
         w.evaluations += 1
         ttft = facts.slo.ttft_s if facts.slo is not None else None
         if not isinstance(ev, Placement) or ev.queue_s > horizon or ttft is None or ev.ttft_s > ttft:
             return None
-        added = busy - w.lc.excluded  # for this decision only: a later retry may use them again
+        if ev.transfer_s + ev.prefill_s > self.params.spill_ratio * cost_s:
+            return None
         d = self._decide(w, facts, now, busy)
-        w.lc.excluded -= added
         d[1].explanation["deferred"]["spilled_from"] = w.instance
         return d
 
@@ -308,9 +314,9 @@ class WaitRoom:
         assert ttft is not None, "only a request with a TTFT SLO waits"
         return dataclasses.replace(w.facts, slo=SLO(ttft_s=ttft - (now - w.arrived_s), tbt_s=w.slo.tbt_s))
 
-    def _decide(self, w: _Waiter, facts: RequestFacts, now: float, exclude: set[str] | None = None) -> Decided:
+    def _decide(self, w: _Waiter, facts: RequestFacts, now: float, avoid: set[str] | None = None) -> Decided:
         del self._waiting[w.facts.request_id]
-        d = w.lc.decide(facts, exclude or ())
+        d = w.lc.decide(facts, avoid=avoid or ())
         d.explanation["deferred"] = self._note(w, now)
         self.counts["dispatched" if isinstance(d, Placement) else "refused"] += 1
         return w.lc, d

@@ -96,9 +96,11 @@ class RequestLifecycle:
                                  f"allowed only in {allowed}")
 
     # --- placement ----------------------------------------------------------------------
-    def decide(self, facts: RequestFacts | None = None, exclude: Iterable[str] = ()) -> Placement | Rejection:
+    def decide(self, facts: RequestFacts | None = None, exclude: Iterable[str] = (),
+               avoid: Iterable[str] = ()) -> Placement | Rejection:
         """Ask the scheduler for a (prefill, decode) pair, avoiding ``exclude`` and every instance
-        a retry excluded. ``facts`` may be omitted after the first call (a retry reuses them).
+        a retry excluded; ``avoid``: this decision only, not a prefill destination but still a
+        holder to pull from. ``facts`` may be omitted after the first call (a retry reuses them).
         A placement moves to PLACED and copies the decision's features into the record; a
         rejection finishes the request as REJECTED (``rejected`` for 429, else ``error``)."""
         self._expect("decide", Phase.ARRIVED, Phase.WAITING)
@@ -109,10 +111,11 @@ class RequestLifecycle:
             raise LifecycleError(f"request {self.record.request_id!r}: the first decide() needs the request's facts")
         self.excluded.update(exclude)
         self.attempts += 1
+        kw = {"avoid": frozenset(avoid)} if avoid else {}
         if self.excluded:
-            d = self.scheduler.retry_excluding(self.facts, self.excluded)
+            d = self.scheduler.retry_excluding(self.facts, self.excluded, **kw)
         else:
-            d = self.scheduler.decide(self.facts)
+            d = self.scheduler.decide(self.facts, **kw)
         rec = self.record
         rec.decided_s = self.clock()
         if isinstance(d, Rejection):

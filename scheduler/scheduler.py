@@ -15,7 +15,7 @@ import random
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Collection, Iterable
 
 import xxhash
 
@@ -278,20 +278,18 @@ class Scheduler:
         return out
 
     # --- request lifecycle --------------------------------------------------------------
-    def decide(self, facts: RequestFacts) -> Placement | Rejection:
-        """Place a request or refuse it; never raises."""
-        return self._guarded(facts, frozenset(), commit=True)
+    def decide(self, facts: RequestFacts, avoid: Collection[str] = ()) -> Placement | Rejection:
+        """Place a request or refuse it; never raises. ``avoid``: prefill instances it must not be
+        placed on, which still serve their cached prefix to a peer pull (the wait room's spill,
+        scheduler/deferral.py)."""
+        return self._guarded(facts, frozenset(), commit=True, avoid=avoid)
 
-    def evaluate(self, facts: RequestFacts) -> Placement | Rejection:
+    def evaluate(self, facts: RequestFacts, avoid: Collection[str] = ()) -> Placement | Rejection:
         """What ``decide`` would answer now, without reserving or advancing policy state."""
-        return self._guarded(facts, frozenset(), commit=False)
+        return self._guarded(facts, frozenset(), commit=False, avoid=avoid)
 
-    def evaluate_excluding(self, facts: RequestFacts, exclude: set[str]) -> Placement | Rejection:
-        """What ``decide`` would answer now among the instances not in ``exclude``, reserving
-        nothing: the wait room's spill (scheduler/deferral.py) asks it of the instances with room."""
-        return self._guarded(facts, frozenset(x for x in exclude if isinstance(x, str)), commit=False)
-
-    def retry_excluding(self, facts: RequestFacts, exclude: set[str]) -> Placement | Rejection:
+    def retry_excluding(self, facts: RequestFacts, exclude: set[str],
+                        avoid: Collection[str] = ()) -> Placement | Rejection:
         """Release the request's reservation (if any) and decide again avoiding ``exclude``."""
         rid = getattr(facts, "request_id", None)
         if isinstance(rid, str):
@@ -300,7 +298,7 @@ class Scheduler:
             excluded = frozenset(x for x in exclude if isinstance(x, str))
         except TypeError:
             excluded = frozenset()
-        return self._guarded(facts, excluded, commit=True)
+        return self._guarded(facts, excluded, commit=True, avoid=avoid)
 
     def prefill_done(self, request_id: str) -> bool:
         """Prefill finished: its queued work leaves the prefill instance. Idempotent."""
@@ -379,9 +377,10 @@ class Scheduler:
                 "index_mb": self.index.memory_bytes() / 1e6}
 
     # --- the decision -------------------------------------------------------------------
-    def _guarded(self, facts: Any, exclude: frozenset[str], commit: bool) -> Placement | Rejection:
+    def _guarded(self, facts: Any, exclude: frozenset[str], commit: bool,
+                 avoid: Collection[str] = ()) -> Placement | Rejection:
         try:
-            return self._decide(facts, exclude, commit)
+            return self._decide(facts, exclude, commit, frozenset(avoid))
         except Exception as e:  # a bug of ours must not escape into the gateway's request path
             rid = getattr(facts, "request_id", None)
             record = bare_record(rid, self.policy_name, self.clock(), "internal_error", repr(e))
@@ -406,7 +405,8 @@ class Scheduler:
     def _count(self, key: str) -> None:
         self.counts[key] = self.counts.get(key, 0) + 1
 
-    def _decide(self, facts: Any, exclude: frozenset[str], commit: bool) -> Placement | Rejection:
+    def _decide(self, facts: Any, exclude: frozenset[str], commit: bool,
+                avoid: frozenset[str] = frozenset()) -> Placement | Rejection:
         """The stages in order; a stage that refuses raises :class:`_Refused`."""
         now = self.clock()
         try:
@@ -416,7 +416,7 @@ class Scheduler:
             ctx.admit_fraction = self._headroom(facts)
             self._eligible(ctx, exclude)
             self._cache_facts(ctx)
-            self._terms(ctx)
+            self._terms(ctx, avoid)
             choice = self._choose(ctx)
             if self.overload is not None:
                 self._overload(ctx, choice, commit)
@@ -482,7 +482,7 @@ class Scheduler:
             ctx.pending = self.inflight.match(facts.block_hashes, usable)
 
     # --- stage 3: every candidate's predicted terms ------------------------------------------
-    def _terms(self, ctx: DecisionContext) -> None:
+    def _terms(self, ctx: DecisionContext, avoid: frozenset[str] = frozenset()) -> None:
         pred, ledger, now, match = self.predictors, self.ledger, ctx.now, ctx.match
         assert match is not None, "the cache-facts stage runs first"
         book = ctx.terms = TermBook(ctx.facts.prompt_tokens, self.block_size, ctx.store_blocks, pred)
@@ -502,6 +502,10 @@ class Scheduler:
             pred.decode_load(ctx.decode_load)
         ctx.decode = self._decode_candidates(ctx.decode_pool, ctx.facts, now, None)
         ctx.holder, ctx.holder_blocks = best_holder(prefill, ctx.store_blocks)
+        if avoid:  # not a destination, still a holder to pull from
+            prefill[:] = [c for c in prefill if c.id not in avoid]
+            if not prefill:
+                raise _Refused(UNAVAILABLE, "no_healthy_prefill", "every healthy prefill instance is avoided")
 
     # --- stage 4: the policy's choice of prefill, then decode ----------------------------
     def _choose(self, ctx: DecisionContext) -> _Choice:
