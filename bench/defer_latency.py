@@ -8,7 +8,7 @@ find the chosen queue longer (``--horizon``): those are evaluated, held, and lat
 ``pump`` (timed per call, with how many waited). Prints one JSON line; wall milliseconds
 (``perf_counter_ns``), figures from a shared machine.
 
-Run: ``.venv/bin/python bench/defer_latency.py [--decisions 2000] [--horizon 0.5] [--scan 4]``
+Run: ``.venv/bin/python bench/defer_latency.py [--decisions 2000] [--horizon 0.5] [--scan 4] [--spill]``
 """
 from __future__ import annotations
 
@@ -39,12 +39,16 @@ def main() -> None:
     ap.add_argument("--decisions", type=int, default=2000)
     ap.add_argument("--horizon", type=float, default=0.5, help="the wait room's horizon (s)")
     ap.add_argument("--scan", type=int, default=DeferParams.scan, help="defer_scan: misses in a row per pump")
+    ap.add_argument("--spill", action="store_true", help="defer_spill: a waiter bound to a busy instance is "
+                    "evaluated again among those with room (an evaluation more per such waiter)")
+    ap.add_argument("--spill-ratio", type=float, default=DeferParams.spill_ratio, help="defer_spill_ratio")
     a = ap.parse_args()
     worlds = []
     for defer in (False, True):
         sched, world = dl.build("conductor", 1, True)
         sched.slo = SLO(ttft_s=30.0)
-        room = WaitRoom(sched, DeferParams(enabled=defer, horizon_s=a.horizon, scan=a.scan))
+        room = WaitRoom(sched, DeferParams(enabled=defer, horizon_s=a.horizon, scan=a.scan, spill=a.spill,
+                                              spill_ratio=a.spill_ratio))
         worlds.append((sched, world, room, dl.requests(world, a.decisions + 200), []))
     pumps: list[float] = []
     held = 0
@@ -76,7 +80,8 @@ def main() -> None:
                             c.finish("aborted")
     off, on = worlds[0][4], worlds[1][4]
     print(json.dumps({
-        "decisions": len(off), "horizon_s": a.horizon, "scan": a.scan, "held": held, "room_counts": worlds[1][2].counts,
+        "decisions": len(off), "horizon_s": a.horizon, "scan": a.scan, "spill": a.spill, "spill_ratio": a.spill_ratio,
+        "held": held, "room_counts": worlds[1][2].counts,
         "decide_p50_ms": round(statistics.median(off), 3), "decide_p99_ms": round(pct(off, 0.99), 3),
         "offer_p50_ms": round(statistics.median(on), 3), "offer_p99_ms": round(pct(on, 0.99), 3),
         "pump_calls": len(pumps), "pump_p50_ms": round(statistics.median(pumps), 3) if pumps else None,

@@ -40,7 +40,9 @@ POINTS: dict[str, list[tuple[float, float]]] = {
 }
 # deferral settings tried on the training slices: the horizon (seconds of predicted prefill queue
 # within which a request goes at once), aging, and the last-chance rule (slack 1: hold only what
-# plain admission would refuse)
+# plain admission would refuse), and spill (a waiter whose chosen instance is over the horizon goes to the
+# policy's choice among those within it if it meets its remaining SLO there; "x1.5": only if that costs
+# at most 1.5x its cheapest prefill)
 GRID: dict[str, dict[str, Any]] = {
     "horizon 0.25 s": {"defer_horizon_s": 0.25},
     "horizon 1 s": {"defer_horizon_s": 1.0},
@@ -50,10 +52,6 @@ GRID: dict[str, dict[str, Any]] = {
     "horizon 1 s, aging 0.05, spill": {"defer_horizon_s": 1.0, "defer_aging": 0.05, "defer_spill": True},
     "horizon 1 s, aging 0.05, scan 64, spill": {"defer_horizon_s": 1.0, "defer_aging": 0.05, "defer_scan": 64,
                                                  "defer_spill": True},
-    "horizon 1 s, aging 0.05, spill x1": {"defer_horizon_s": 1.0, "defer_aging": 0.05, "defer_spill": True,
-                                          "defer_spill_ratio": 1.0},
-    "horizon 1 s, aging 0.05, scan 64, spill x1": {"defer_horizon_s": 1.0, "defer_aging": 0.05, "defer_scan": 64,
-                                                    "defer_spill": True, "defer_spill_ratio": 1.0},
     "horizon 1 s, aging 0.05, spill x1.5": {"defer_horizon_s": 1.0, "defer_aging": 0.05, "defer_spill": True,
                                             "defer_spill_ratio": 1.5},
     "horizon 1 s, aging 0.05, scan 64, spill x1.5": {"defer_horizon_s": 1.0, "defer_aging": 0.05, "defer_scan": 64,
@@ -228,7 +226,9 @@ attainment bound of goodput-bound/results.json.
 cost forgiven per second waited; "scan 64": a pump gives up after 64 evaluations in a row that
 dispatched nobody (default 4); "last chance": a waiting request is dispatched behind a long queue once
 waiting longer would lose it; "hold only the refused": admissible requests go at once, only those plain
-admission would refuse for TTFT wait):
+admission would refuse for TTFT wait; "spill": a waiting request whose chosen instance is over the horizon
+goes to the policy's choice among the instances within it if it meets its remaining SLO there, "x1.5" only
+if its prefill there costs at most 1.5x its cheapest):
 
 {tuning}
 **Fairness**: SLO attainment by prompt-length quartile of the evaluation slice:
