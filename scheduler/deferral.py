@@ -274,7 +274,7 @@ class WaitRoom:
         if view is None:  # dispatch, or refused for another reason: as without a wait room
             return self._decide(w, facts, now)
         if self.params.spill:
-            spilled = self._spill(w, facts, now, view.cost_s)
+            spilled = self._spill(w, facts, now, view)
             if spilled is not None:
                 return spilled
         before = w.wake_s
@@ -287,12 +287,12 @@ class WaitRoom:
             heapq.heappush(self._deadlines, (w.wake_s, w.seq, w.facts.request_id))
         return None
 
-    def _spill(self, w: _Waiter, facts: RequestFacts, now: float, cost_s: float) -> Decided | None:
+    def _spill(self, w: _Waiter, facts: RequestFacts, now: float, view: _View) -> Decided | None:
         """Work conservation (``spill``): the policy's choice among the prefill instances whose queue
         is within the horizon, dispatched there if it meets the remaining SLO; None: keep waiting.
         Without it the cheapest waiters all wait for the busy instance holding their prefix, the
         pump gives up on them and the instances with room stay idle. ``spill_ratio`` bounds the work
-        a spill may add: its transfer + prefill there against ``cost_s``, its cheapest anywhere."""
+        a spill may add: its transfer + prefill there against its cheapest anywhere (``view``)."""
         horizon = self.params.horizon_s
         queues = self.scheduler.prefill_queues_s(now)
         busy = {i for i, q in queues.items() if q > horizon}
@@ -303,10 +303,10 @@ class WaitRoom:
         ttft = facts.slo.ttft_s if facts.slo is not None else None
         if not isinstance(ev, Placement) or ev.queue_s > horizon or ttft is None or ev.ttft_s > ttft:
             return None
-        if ev.transfer_s + ev.prefill_s > self.params.spill_ratio * cost_s:
+        if ev.transfer_s + ev.prefill_s > self.params.spill_ratio * view.cost_s:
             return None
         d = self._decide(w, facts, now, busy)
-        d[1].explanation["deferred"]["spilled_from"] = w.instance
+        d[1].explanation["deferred"]["spilled_from"] = view.instance
         return d
 
     def _remaining(self, w: _Waiter, now: float) -> RequestFacts:
