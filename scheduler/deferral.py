@@ -67,7 +67,7 @@ from typing import TYPE_CHECKING, Any
 
 from predictors.telemetry import SLO
 from scheduler.admission import resolve_slo, retry_seconds
-from scheduler.explain import bare_record, candidates, request_labels
+from scheduler.explain import candidates
 from scheduler.policies.base import _coerce  # the same parsing as every policy parameter
 from scheduler.types import OVER_SLO, Placement, Rejection, RequestFacts
 
@@ -324,16 +324,14 @@ class WaitRoom:
     def _expire(self, w: _Waiter, now: float) -> Decided:
         """Refuse a waiting request whose remaining SLO even drained queues cannot meet."""
         del self._waiting[w.facts.request_id]
-        sched, rid = self.scheduler, w.facts.request_id
+        sched = self.scheduler
         remaining = (w.slo.ttft_s or 0.0) - (now - w.arrived_s)
         msg = (f"deadline: waited {now - w.arrived_s:.3f}s at the gateway for a prefill queue within "
                f"{self.params.horizon_s:g}s; the remaining {remaining:.3f}s of the TTFT SLO is less than the "
                f"{w.floor_s:.3f}s it needs even with no queue")
-        record = bare_record(rid, sched.policy_name, now, DEADLINE, msg)
-        record.update(request_labels(w.facts), deferred=self._note(w, now))
         retry = retry_seconds(max(0.0, sched.min_prefill_queue_s(now) - self.params.horizon_s))
-        d = Rejection(rid, OVER_SLO, DEADLINE, msg, retry, record)
-        sched.note_rejection(d)
+        d = sched.refuse(w.facts, OVER_SLO, DEADLINE, msg, retry)
+        d.explanation["deferred"] = self._note(w, now)
         w.lc.refuse(d)
         self.counts[DEADLINE] += 1
         return w.lc, d

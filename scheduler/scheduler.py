@@ -352,10 +352,11 @@ class Scheduler:
         """The shortest predicted prefill queue over the healthy prefill instances (inf with none)."""
         return min(self.prefill_queues_s(now).values(), default=float("inf"))
 
-    def note_rejection(self, rejection: Rejection) -> None:
-        """Count and keep a refusal made outside ``decide`` (the wait room's ``deadline``)."""
-        self._count(rejection.reason)
-        self.decisions.append(rejection.explanation)
+    def refuse(self, facts: RequestFacts, status: int, reason: str, message: str,
+               retry_after_s: float | None = None) -> Rejection:
+        """A refusal decided outside ``decide`` (the wait room's ``deadline``), counted and kept in
+        the decision log as ``decide``'s own are."""
+        return self._refuse(facts, status, reason, message, self.clock(), True, retry_after_s=retry_after_s)
 
     # --- reporting ----------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
