@@ -22,6 +22,7 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import _common as C
@@ -85,6 +86,28 @@ def telemetry(w: Workload, spec, slo: SLO, loads: list[float]) -> list[RequestRe
               flush=True)
         out += recs
     return out
+
+
+#: the loads whose telemetry calibrates the learned predictors (the training slice of every page)
+TRAIN_LOADS: dict[str, list[float]] = {name: loads for name, (_, loads) in WORKLOADS.items()}
+
+
+def calibrated_world(name: str, a: Any, page: str) -> tuple[Any, Workload, Workload, Path, Path]:
+    """A page's cluster, its training and evaluation slices, its output dir and the learned models
+    calibrated on the training slice's telemetry (reused with ``a.reuse_models`` when they exist)."""
+    spec = dataclasses.replace(C.cluster(a.prefill, a.decode), profile=PROFILE)
+    train_w, eval_w = slices(name, a.train, a.eval)
+    out = C.OUT / page / name
+    model_dir = out / "models"
+    if not (a.reuse_models and (model_dir / "models.json").exists()):
+        print(f"== {name}: calibrating on {len(train_w.requests)} training requests", file=sys.stderr, flush=True)
+        m = calibrate(telemetry(train_w, spec, SLO(5.0, a.slo_tbt_ms / 1000), TRAIN_LOADS[name]), str(model_dir),
+                      holdout="random", draw=False)
+        print("  held-out MAPE learned / analytic: " + ", ".join(
+            f"{t} {v['learned'].get('mape') or 0:.1%} / {v['analytic'].get('mape') or 0:.1%} "
+            f"(n {v['learned'].get('n')})"
+            for t, v in m["holdout_metrics"].items()), file=sys.stderr, flush=True)
+    return spec, train_w, eval_w, out, model_dir
 
 
 def losses(records: list[RequestRecord], slo: SLO) -> dict[str, Any]:

@@ -16,7 +16,6 @@ Writes docs/experiments/deferral.md (+ results.json); full outputs in out/experi
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
@@ -28,7 +27,6 @@ import _common as C
 import baselines as B
 import overload_admission as O
 
-from predictors.calibrate import calibrate  # noqa: E402
 from predictors.telemetry import SLO, RequestRecord  # noqa: E402
 
 PAGE = "deferral"
@@ -59,7 +57,6 @@ GRID: dict[str, dict[str, Any]] = {
     "horizon 1 s, last chance": {"defer_horizon_s": 1.0, "defer_last_chance": True, "defer_slack": 0.0},
     "horizon 1 s, hold only the refused": {"defer_horizon_s": 1.0, "defer_last_chance": True, "defer_slack": 1.0},
 }
-TRAIN_LOADS = {name: loads for name, (_, loads) in B.WORKLOADS.items()}
 
 DISCUSSION = """## Discussion
 
@@ -95,14 +92,7 @@ def _pool(jobs: list[tuple[Any, ...]], workers: int) -> list[dict[str, Any]]:
 
 
 def prepare(name: str, a: argparse.Namespace) -> dict[str, Any]:
-    spec = dataclasses.replace(C.cluster(a.prefill, a.decode), profile=B.PROFILE)
-    train_w, eval_w = B.slices(name, a.train, a.eval)
-    out = C.OUT / PAGE / name
-    model_dir = out / "models"
-    if not (a.reuse_models and (model_dir / "models.json").exists()):
-        print(f"== {name}: calibrating on {len(train_w.requests)} training requests", file=sys.stderr, flush=True)
-        calibrate(B.telemetry(train_w, spec, SLO(5.0, a.slo_tbt_ms / 1000), TRAIN_LOADS[name]), str(model_dir),
-                  holdout="random", draw=False)
+    spec, train_w, eval_w, out, model_dir = B.calibrated_world(name, a, PAGE)
     cache = out / "tuning.json"
     key = {"grid": GRID, "points": POINTS[name], "train": len(train_w.requests)}
     tuning: dict[str, Any] = {}

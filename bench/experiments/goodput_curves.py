@@ -16,7 +16,6 @@ Writes docs/experiments/goodput-curves.md (+ results.json, curves.png).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
@@ -34,7 +33,6 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from engines_adapters.sim.profiles import load_profile  # noqa: E402
 from loadgen.simulate.reuse import reuse_bound  # noqa: E402
-from predictors.calibrate import calibrate  # noqa: E402
 from predictors.telemetry import SLO  # noqa: E402
 
 PAGE = "goodput-curves"
@@ -52,8 +50,6 @@ BASELINES: dict[str, list[str]] = {
     "azure_code": ["least_loaded", "dynamo_cost", "random", "round_robin"],
     "synthetic": ["prefix_only", "sglang_cache_aware", "lmetric"],
 }
-# calibration telemetry loads (a light one first: enough lone prefills), as baselines.py's
-TRAIN_LOADS: dict[str, list[float]] = {name: loads for name, (_, loads) in B.WORKLOADS.items()}
 # conductor settings tried on the training slices: (affinity_margin_s, affinity_margin_rel, work_weight)
 GRID: list[tuple[float, float, float]] = [(0.0, 0.0, 1.0), (0.1, 0.0, 1.0), (0.0, 0.0, 4.0), (0.1, 0.0, 4.0)]
 DEFAULT = GRID[0]
@@ -92,18 +88,7 @@ def _tune_one(job: tuple[Any, ...]) -> dict[str, Any]:
 
 
 def prepare(name: str, a: argparse.Namespace) -> dict[str, Any]:
-    spec = dataclasses.replace(C.cluster(a.prefill, a.decode), profile=B.PROFILE)
-    train_w, eval_w = B.slices(name, a.train, a.eval)
-    out = C.OUT / PAGE / name
-    model_dir = out / "models"
-    if not (a.reuse_models and (model_dir / "models.json").exists()):
-        print(f"== {name}: calibrating on {len(train_w.requests)} training requests", file=sys.stderr, flush=True)
-        m = calibrate(B.telemetry(train_w, spec, SLO(5.0, a.slo_tbt_ms / 1000), TRAIN_LOADS[name]), str(model_dir),
-                      holdout="random", draw=False)
-        print("  held-out MAPE learned / analytic: " + ", ".join(
-            f"{t} {v['learned'].get('mape') or 0:.1%} / {v['analytic'].get('mape') or 0:.1%} "
-            f"(n {v['learned'].get('n')})"
-            for t, v in m["holdout_metrics"].items()), file=sys.stderr, flush=True)
+    spec, train_w, eval_w, out, model_dir = B.calibrated_world(name, a, PAGE)
     tuning: dict[str, Any] = {}
     cache = out / "tuning.json"  # reused with --reuse-models when made by the same grid on the same slice
     key = {"grid": [list(m) for m in GRID], "loads": {f"{k:g}": v for k, v in LOADS[name].items()},
@@ -253,7 +238,7 @@ def render(results: list[dict[str, Any]], margin: tuple[float, float, float], a:
 **Setup.** {a.prefill}P+{a.decode}D `{B.PROFILE}`, TBT <= {a.slo_tbt_ms:g} ms, every policy admitting against
 the SLO with the same learned predictors (calibrated on telemetry of conductor with the analytic prior
 replaying the first {results[0]['train']} requests of each trace, the synthetic generator with seed 1, at
-{'; '.join(f"{k} {', '.join(f'{x:g}' for x in v)}" for k, v in TRAIN_LOADS.items())}x), evaluated on the next
+{'; '.join(f"{k} {', '.join(f'{x:g}' for x in v)}" for k, v in B.TRAIN_LOADS.items())}x), evaluated on the next
 {results[0]['eval']} (seed 0) at each
 load. Conductor as shipped (no cost admission), {chosen}. "Best other" = the best at that load among
 the baselines run here (the strongest of overload-admission.md per workload:
