@@ -9,7 +9,15 @@ import sys
 
 from engines_adapters.sim.profiles import profile_names
 from engines_adapters.store.model import StoreSpec
-from predictors.cli_args import CLIError, Parser, non_negative_float, non_negative_int, positive_float, positive_int
+from predictors.cli_args import (
+    CLIError,
+    Parser,
+    key_value,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 from predictors.learned import ModelError, load_models
 from predictors.registry import predictor_names
 from scheduler.deferral import split_params as split_defer
@@ -20,13 +28,6 @@ from ..workload_args import add_workload_args, workload_from_args
 from .cluster import ClusterSpec, SchedulerSpec
 from .report import format_table, write_outputs
 from .sweep import SimConfig, run_sweep
-
-
-def policy_param(text: str) -> tuple[str, str]:
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    return key.strip(), value.strip()
 
 
 def build_parser() -> Parser:
@@ -64,7 +65,7 @@ def build_parser() -> Parser:
                          "not after every prefill")
     s = p.add_argument_group("scheduler")
     s.add_argument("--policy", default="conductor", help=f"policy: {', '.join(POLICIES)}")
-    s.add_argument("--policy-param", type=policy_param, action="append", default=[], metavar="KEY=VALUE",
+    s.add_argument("--policy-param", type=key_value, action="append", default=[], metavar="KEY=VALUE",
                    help="a parameter of --policy (repeatable)")
     s.add_argument("--compare", metavar="POLICY[,POLICY...]",
                    help="also run these policies on the same cluster and workload, side by side")
