@@ -11,6 +11,9 @@ import random
 import socket
 
 _rng = random.SystemRandom()
+#: ports this process handed out: each is free when chosen but reserved by nobody until its owner
+#: binds it, so a later call in the same process (the next engine, the gateway) must not choose it
+_handed_out: set[int] = set()
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -33,11 +36,14 @@ def free_port(host: str = "127.0.0.1") -> int:
     if lo > 11024:
         for _ in range(64):
             port = _rng.randrange(10000, lo)
+            if port in _handed_out:
+                continue
             with socket.socket() as s:
                 try:
                     s.bind((host, port))
                 except OSError:
                     continue
+                _handed_out.add(port)
                 return port
     with socket.socket() as s:  # no room below the range: let the OS pick
         s.bind((host, 0))

@@ -13,3 +13,10 @@ def test_free_ports_are_bindable_and_below_the_ephemeral_range():
         with socket.socket() as s:
             s.bind(("127.0.0.1", p))
 
+
+
+def test_a_port_handed_out_is_not_handed_out_again_before_anyone_binds_it():
+    """Two engines and a gateway started by one process each ask for a port before any binds:
+    they must not be given the same one (seen in CI: a KV-event port chosen twice)."""
+    ports = [free_port() for _ in range(300)]
+    assert len(set(ports)) == len(ports)
