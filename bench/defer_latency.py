@@ -27,7 +27,7 @@ from pathlib import Path
 _ROOT = (Path(sys.argv[sys.argv.index("--root") + 1]) if "--root" in sys.argv[1:-1]
          else Path(__file__).resolve().parents[1])
 sys.path.insert(0, str(_ROOT.resolve()))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(_ROOT.resolve() / "bench"))  # its decision_latency.py puts its own root first again
 
 import decision_latency as dl  # noqa: E402
 
