@@ -86,7 +86,8 @@ if TYPE_CHECKING:
 PARAM_KEYS = {"defer": "enabled", "defer_horizon_s": "horizon_s", "defer_aging": "aging",
               "defer_scan": "scan", "defer_last_chance": "last_chance", "defer_slack": "slack",
               "defer_spill": "spill", "defer_spill_ratio": "spill_ratio",
-              "defer_wait_holder": "wait_holder", "defer_holder_ratio": "holder_ratio"}
+              "defer_wait_holder": "wait_holder", "defer_holder_ratio": "holder_ratio",
+              "defer_holder_fallback": "holder_fallback"}
 #: the reason a waiting request is refused with once its remaining SLO cannot be met
 DEADLINE = "deadline"
 #: the soonest ``next_wakeup`` puts a queue-drain wake-up (a deadline may come sooner)
@@ -112,6 +113,9 @@ class DeferParams:
     # instance's prefill costs more than holder_ratio x the holder's (see _wait_for_holder)
     wait_holder: bool = False
     holder_ratio: float = 1.5
+    # with wait_holder: only while the policy's choice would still meet the SLO after the holder's queue
+    # drained to the horizon (the wait never costs the request its way out)
+    holder_fallback: bool = False
 
     def __post_init__(self) -> None:
         for name, v in (("defer_horizon_s", self.horizon_s), ("defer_aging", self.aging), ("defer_slack", self.slack)):
@@ -135,7 +139,7 @@ def split_params(policy_params: dict[str, Any]) -> tuple[DeferParams, dict[str, 
     for key, name in PARAM_KEYS.items():
         if key in rest:
             hint = {"enabled": bool, "last_chance": bool, "spill": bool, "wait_holder": bool,
-                    "scan": int}.get(name, float)
+                    "holder_fallback": bool, "scan": int}.get(name, float)
             kw[name] = _coerce(key, hint, rest.pop(key))
     return DeferParams(**kw), rest
 
@@ -427,7 +431,8 @@ def _wait_for_holder(d: Placement, p: DeferParams, slack_s: float) -> _View | No
     elsewhere recomputes the prefix, spending prefill capacity the next arrivals need. It waits only
     if the holder's queue exceeds the horizon, the chosen instance's prefill costs more than
     ``holder_ratio`` x the holder's, and the holder meets what is left of the TTFT SLO, queue included
-    (once it no longer does, the policy's choice stands)."""
+    (once it no longer does, the policy's choice stands); with ``holder_fallback`` also only while
+    the policy's choice would still meet it after the holder's queue drained to the horizon."""
     rec = d.explanation
     rows = candidates(rec, "prefill")
     if not rows:
@@ -442,6 +447,11 @@ def _wait_for_holder(d: Placement, p: DeferParams, slack_s: float) -> _View | No
     terms = rec.get("terms") or {}
     tail = terms.get("kv_transfer_s", 0.0) + terms.get("decode_first_step_s", 0.0)
     limit = (rec.get("slo") or {}).get("ttft_s")  # what is left of it; a priority class admits up to a share
-    if limit is None or best["ttft_s"] + tail > limit * rec.get("admit_fraction", 1.0):
+    if limit is None:
         return None
+    limit *= rec.get("admit_fraction", 1.0)
+    if best["ttft_s"] + tail > limit:
+        return None
+    if p.holder_fallback and chosen["ttft_s"] + tail + best["queue_s"] - p.horizon_s > limit:
+        return None  # by the time the holder has room, the policy's choice would be too late
     return _View(cost, cost + tail, best["id"], best["ttft_s"] + tail, slack_s, instead_of=d.prefill)

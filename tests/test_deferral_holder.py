@@ -52,9 +52,10 @@ def offer(sched, clock, room, f):
 
 
 def test_params():
-    p, rest = split_params({"defer": "on", "defer_wait_holder": "on", "defer_holder_ratio": "2", "work_weight": 4})
-    assert p.wait_holder and p.holder_ratio == 2.0 and rest == {"work_weight": 4}
-    assert not DeferParams().wait_holder
+    p, rest = split_params({"defer": "on", "defer_wait_holder": "on", "defer_holder_ratio": "2", "work_weight": 4,
+                            "defer_holder_fallback": "on"})
+    assert p.wait_holder and p.holder_ratio == 2.0 and p.holder_fallback and rest == {"work_weight": 4}
+    assert not DeferParams().wait_holder and not DeferParams().holder_fallback
     with pytest.raises(ValueError, match="defer_holder_ratio"):
         split_params({"defer_holder_ratio": "0.5"})
 
@@ -100,6 +101,20 @@ def test_a_holder_that_stops_fitting_the_remaining_slo_releases_the_waiter():
     [(x, d)] = room.pump()
     assert x is lc and isinstance(d, Placement) and d.prefill == "p1"
     assert d.explanation["deferred"]["waited_for_holder"] == "p0"
+
+
+def test_fallback_waits_only_while_the_policys_choice_would_still_be_in_time():
+    # 1.2 s: p0 (~0.99 s) meets it, so the request waits; but p1 (~0.52 s) after p0's ~0.74 s of queue
+    # over the horizon would not: with the fallback it goes to p1 now
+    sched, clock, room = world(ttft=1.2)
+    lc, d = offer(sched, clock, room, turn())
+    assert d is None and lc.phase is Phase.WAITING
+    sched, clock, room = world(ttft=1.2, defer_holder_fallback=True)
+    _, d = offer(sched, clock, room, turn())
+    assert isinstance(d, Placement) and d.prefill == "p1"
+    sched, clock, room = world(ttft=1.5, defer_holder_fallback=True)  # ~1.26 s: still in time, it waits
+    lc, d = offer(sched, clock, room, turn())
+    assert d is None and lc.phase is Phase.WAITING
 
 
 def _stream(wait_holder: bool | None) -> tuple[list[str], int]:

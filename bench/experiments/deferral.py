@@ -70,6 +70,12 @@ GRID: dict[str, dict[str, Any]] = {
                                                          "defer_holder_ratio": 2.0},
     "horizon 1 s, aging 0.05, scan 64, wait holder x3": {**_BASE, "defer_wait_holder": True,
                                                          "defer_holder_ratio": 3.0},
+    "horizon 1 s, aging 0.05, scan 64, wait holder x1.5, fallback": {**_BASE, "defer_wait_holder": True,
+                                                                   "defer_holder_ratio": 1.5,
+                                                                   "defer_holder_fallback": True},
+    "horizon 1 s, aging 0.05, scan 64, wait holder x2, fallback": {**_BASE, "defer_wait_holder": True,
+                                                                 "defer_holder_ratio": 2.0,
+                                                                 "defer_holder_fallback": True},
     "horizon 1 s, last chance": {"defer_horizon_s": 1.0, "defer_last_chance": True, "defer_slack": 0.0},
     "horizon 1 s, hold only the refused": {"defer_horizon_s": 1.0, "defer_last_chance": True, "defer_slack": 1.0},
 }
