@@ -240,7 +240,11 @@ dispatched nobody (default 4); "last chance": a waiting request is dispatched be
 waiting longer would lose it; "hold only the refused": admissible requests go at once, only those plain
 admission would refuse for TTFT wait; "spill": a waiting request whose chosen instance is over the horizon
 goes to the policy's choice among the instances within it if it meets its remaining SLO there, "x1.5" only
-if its prefill there costs at most 1.5x its cheapest):
+if its prefill there costs at most 1.5x its cheapest; "w N": conductor's work weight N instead of 1; "wait
+holder xR": a request the policy would send off its cheapest instance (the holder of its prefix) because that
+one's queue is over the horizon waits for it while it meets its remaining SLO there, queue included, if
+recomputing elsewhere costs more than R x its prefill there; "fallback": only while the policy's choice would
+still meet the SLO once the holder has room):
 
 {tuning}
 **Fairness**: SLO attainment by prompt-length quartile of the evaluation slice:
