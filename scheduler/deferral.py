@@ -29,6 +29,13 @@ Rules, for any policy (``defer=on`` among its parameters, as ``cost_admission``)
   avoid=...)``: the policy's own choice among those with room; a busy holder still serves its
   prefix to a peer pull) and dispatched there if it meets its remaining TTFT SLO: the room is then
   work-conserving (an evaluation more per such waiter in a pump);
+* with ``wait_holder`` (off by default), a request the policy would place on an instance within the
+  horizon other than its cheapest one (the holder of its prefix), because the holder's queue exceeds
+  the horizon, waits for the holder instead, while the holder still meets its remaining TTFT SLO
+  (queue included) and the other instance's transfer + prefill costs more than ``holder_ratio`` x
+  the holder's. The room, not the placement, then balances the queues, and a turn is not recomputed
+  off its conversation's instance at the cost of the next arrivals' prefill capacity; the decision
+  record's ``deferred.waited_for_holder`` names the holder it waited for;
 * with ``last_chance`` (off by default), a waiting request is not held past its last chance:
   once its predicted TTFT behind the queue as it is leaves less than ``slack`` x its TTFT SLO of
   what remains, it is dispatched whatever the queue (shortest-job-first alone starves long
@@ -79,7 +86,9 @@ if TYPE_CHECKING:
 #: policy parameters the scheduler takes for itself (any policy accepts them) -> field name
 PARAM_KEYS = {"defer": "enabled", "defer_horizon_s": "horizon_s", "defer_aging": "aging",
               "defer_scan": "scan", "defer_last_chance": "last_chance", "defer_slack": "slack",
-              "defer_spill": "spill", "defer_spill_ratio": "spill_ratio"}
+              "defer_spill": "spill", "defer_spill_ratio": "spill_ratio",
+              "defer_wait_holder": "wait_holder", "defer_holder_ratio": "holder_ratio",
+              "defer_holder_fallback": "holder_fallback"}
 #: the reason a waiting request is refused with once its remaining SLO cannot be met
 DEADLINE = "deadline"
 #: the soonest ``next_wakeup`` puts a queue-drain wake-up (a deadline may come sooner)
@@ -100,11 +109,22 @@ class DeferParams:
     slack: float = 0.1  # with last_chance: share of the TTFT SLO kept in hand then
     spill: bool = False  # a waiter whose chosen instance is busy may go to one with room if it meets its SLO there
     spill_ratio: float = math.inf  # with spill: only if its prefill there costs at most this x its cheapest
+    # a request the policy would place off its cheapest instance (the prefix holder) while that one's queue
+    # exceeds the horizon waits for it instead, if it meets its remaining TTFT SLO there and the other
+    # instance's prefill costs more than holder_ratio x the holder's (see _wait_for_holder)
+    wait_holder: bool = False
+    holder_ratio: float = 1.5
+    # with wait_holder: only while the policy's choice would still meet the SLO after the holder's queue
+    # drained to the horizon (the wait never costs the request its way out)
+    holder_fallback: bool = False
 
     def __post_init__(self) -> None:
         for name, v in (("defer_horizon_s", self.horizon_s), ("defer_aging", self.aging), ("defer_slack", self.slack)):
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"{name} must be a number >= 0, got {v!r}")
+        if not (isinstance(self.holder_ratio, (int, float)) and not isinstance(self.holder_ratio, bool)
+                and self.holder_ratio >= 1):
+            raise ValueError(f"defer_holder_ratio must be a number >= 1, got {self.holder_ratio!r}")
         r = self.spill_ratio  # inf: any cost
         if not (isinstance(r, (int, float)) and not isinstance(r, bool) and r >= 1):
             raise ValueError(f"defer_spill_ratio must be a number >= 1 (inf: any cost), got {r!r}")
@@ -119,7 +139,8 @@ def split_params(policy_params: dict[str, Any]) -> tuple[DeferParams, dict[str, 
     kw: dict[str, Any] = {}
     for key, name in PARAM_KEYS.items():
         if key in rest:
-            hint = {"enabled": bool, "last_chance": bool, "spill": bool, "scan": int}.get(name, float)
+            hint = {"enabled": bool, "last_chance": bool, "spill": bool, "wait_holder": bool,
+                    "holder_fallback": bool, "scan": int}.get(name, float)
             kw[name] = _coerce(key, hint, rest.pop(key))
     return DeferParams(**kw), rest
 
@@ -136,6 +157,7 @@ class _Waiter:
     instance: str | None = None  # the prefill instance its last evaluation chose
     due_s: float = math.inf  # its last chance: dispatched then behind the queue it was last evaluated at
     evaluations: int = 1
+    held_for: str | None = None  # wait_holder: the prefix holder it last waited for rather than go elsewhere
 
     @property
     def expires_s(self) -> float:
@@ -150,6 +172,8 @@ class _Waiter:
 
     def update(self, v: _View) -> None:
         self.cost_s, self.floor_s, self.instance = v.cost_s, v.floor_s, v.instance
+        if v.instead_of is not None:
+            self.held_for = v.instance
         ttft = self.slo.ttft_s
         self.due_s = math.inf if v.ttft_s is None or ttft is None or v.slack_s < 0 \
             else self.arrived_s + ttft - v.ttft_s - v.slack_s
@@ -164,6 +188,7 @@ class _View:
     instance: str | None
     ttft_s: float | None  # predicted TTFT behind the queue (None: refused, it does not fit now)
     slack_s: float  # < 0: no last chance
+    instead_of: str | None = None  # wait_holder: the instance the policy chose, passed over for ``instance``
 
 
 class WaitRoom:
@@ -226,7 +251,7 @@ class WaitRoom:
         slack = p.slack * (slo.ttft_s or 0.0) if p.last_chance else -1.0
         if isinstance(d, Placement):
             if d.queue_s <= p.horizon_s:
-                return None
+                return _wait_for_holder(d, p, slack) if p.wait_holder else None
             return _view(d.explanation, d.ttft_s, slack)
         if d.reason != _TRANSIENT or any(v.get("reason") != _TRANSIENT for v in d.explanation.get("violations", ())):
             return None
@@ -370,7 +395,7 @@ class WaitRoom:
                 "remaining_ttft_s": None if w.slo.ttft_s is None else w.slo.ttft_s - (now - w.arrived_s),
                 "cost_s": w.cost_s, "floor_s": w.floor_s, "horizon_s": self.params.horizon_s,
                 "last_chance": w.due_s <= now,
-                "evaluations": w.evaluations}
+                "evaluations": w.evaluations, **({"waited_for_holder": w.held_for} if w.held_for else {})}
 
     def _leave(self, w: _Waiter) -> None:
         """A waiter goes (decided now): what it decides changes the world the frame saw."""
@@ -433,3 +458,36 @@ def _view(record: dict[str, Any], ttft_s: float | None, slack_s: float) -> _View
     terms = record.get("terms") or {}
     floor = cost + terms.get("kv_transfer_s", 0.0) + terms.get("decode_first_step_s", 0.0)
     return _View(cost, floor, (record.get("chosen") or {}).get("prefill"), ttft_s, slack_s)
+
+
+def _wait_for_holder(d: Placement, p: DeferParams, slack_s: float) -> _View | None:
+    """``wait_holder``: the view to wait on when ``d`` sends the request off its cheapest instance
+    (the holder of its longest prefix, or a pull from it) because that one's queue is long; None:
+    dispatch ``d``. Under deferral the wait room already balances the queues, and a placement
+    elsewhere recomputes the prefix, spending prefill capacity the next arrivals need. It waits only
+    if the holder's queue exceeds the horizon, the chosen instance's prefill costs more than
+    ``holder_ratio`` x the holder's, and the holder meets what is left of the TTFT SLO, queue included
+    (once it no longer does, the policy's choice stands); with ``holder_fallback`` also only while
+    the policy's choice would still meet it after the holder's queue drained to the horizon."""
+    rec = d.explanation
+    rows = candidates(rec, "prefill")
+    if not rows:
+        return None
+    best = min(rows, key=lambda r: (r["transfer_s"] + r["prefill_s"], r["ttft_s"]))
+    chosen = next((r for r in rows if r["id"] == d.prefill), None)
+    if chosen is None or best["id"] == d.prefill or best["queue_s"] <= p.horizon_s:
+        return None
+    cost = best["transfer_s"] + best["prefill_s"]
+    if chosen["transfer_s"] + chosen["prefill_s"] <= p.holder_ratio * cost:
+        return None
+    terms = rec.get("terms") or {}
+    tail = terms.get("kv_transfer_s", 0.0) + terms.get("decode_first_step_s", 0.0)
+    limit = (rec.get("slo") or {}).get("ttft_s")  # what is left of it; a priority class admits up to a share
+    if limit is None:
+        return None
+    limit *= rec.get("admit_fraction", 1.0)
+    if best["ttft_s"] + tail > limit:
+        return None
+    if p.holder_fallback and chosen["ttft_s"] + tail + best["queue_s"] - p.horizon_s > limit:
+        return None  # by the time the holder has room, the policy's choice would be too late
+    return _View(cost, cost + tail, best["id"], best["ttft_s"] + tail, slack_s, instead_of=d.prefill)

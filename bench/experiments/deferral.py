@@ -41,6 +41,11 @@ POINTS: dict[str, list[tuple[float, float]]] = {
 # plain admission would refuse), and spill (a waiter whose chosen instance is over the horizon goes to the
 # policy's choice among those within it if it meets its remaining SLO there; "x1.5": only if that costs
 # at most 1.5x its cheapest prefill)
+# the setting chosen before (horizon 1 s, aging 0.05, scan 64), the base of the placement rows: conductor's
+# work weight, and wait holder (a request the policy sends off its cheapest instance because that one's queue
+# is over the horizon waits for it while it still meets its SLO there; "xR": only if the other instance's
+# prefill costs more than R x the holder's)
+_BASE: dict[str, Any] = {"defer_horizon_s": 1.0, "defer_aging": 0.05, "defer_scan": 64}
 GRID: dict[str, dict[str, Any]] = {
     "horizon 0.25 s": {"defer_horizon_s": 0.25},
     "horizon 1 s": {"defer_horizon_s": 1.0},
@@ -54,6 +59,23 @@ GRID: dict[str, dict[str, Any]] = {
                                             "defer_spill_ratio": 1.5},
     "horizon 1 s, aging 0.05, scan 64, spill x1.5": {"defer_horizon_s": 1.0, "defer_aging": 0.05, "defer_scan": 64,
                                                       "defer_spill": True, "defer_spill_ratio": 1.5},
+    "horizon 1 s, aging 0.05, scan 64, w 2": {**_BASE, "work_weight": 2.0},
+    "horizon 1 s, aging 0.05, scan 64, w 4": {**_BASE, "work_weight": 4.0},
+    "horizon 1 s, aging 0.05, scan 64, w 8": {**_BASE, "work_weight": 8.0},
+    "horizon 1 s, aging 0.05, scan 64, wait holder x1": {**_BASE, "defer_wait_holder": True,
+                                                         "defer_holder_ratio": 1.0},
+    "horizon 1 s, aging 0.05, scan 64, wait holder x1.5": {**_BASE, "defer_wait_holder": True,
+                                                         "defer_holder_ratio": 1.5},
+    "horizon 1 s, aging 0.05, scan 64, wait holder x2": {**_BASE, "defer_wait_holder": True,
+                                                         "defer_holder_ratio": 2.0},
+    "horizon 1 s, aging 0.05, scan 64, wait holder x3": {**_BASE, "defer_wait_holder": True,
+                                                         "defer_holder_ratio": 3.0},
+    "horizon 1 s, aging 0.05, scan 64, wait holder x1.5, fallback": {**_BASE, "defer_wait_holder": True,
+                                                                   "defer_holder_ratio": 1.5,
+                                                                   "defer_holder_fallback": True},
+    "horizon 1 s, aging 0.05, scan 64, wait holder x2, fallback": {**_BASE, "defer_wait_holder": True,
+                                                                 "defer_holder_ratio": 2.0,
+                                                                 "defer_holder_fallback": True},
     "horizon 1 s, last chance": {"defer_horizon_s": 1.0, "defer_last_chance": True, "defer_slack": 0.0},
     "horizon 1 s, hold only the refused": {"defer_horizon_s": 1.0, "defer_last_chance": True, "defer_slack": 1.0},
 }
@@ -218,7 +240,11 @@ dispatched nobody (default 4); "last chance": a waiting request is dispatched be
 waiting longer would lose it; "hold only the refused": admissible requests go at once, only those plain
 admission would refuse for TTFT wait; "spill": a waiting request whose chosen instance is over the horizon
 goes to the policy's choice among the instances within it if it meets its remaining SLO there, "x1.5" only
-if its prefill there costs at most 1.5x its cheapest):
+if its prefill there costs at most 1.5x its cheapest; "w N": conductor's work weight N instead of 1; "wait
+holder xR": a request the policy would send off its cheapest instance (the holder of its prefix) because that
+one's queue is over the horizon waits for it while it meets its remaining SLO there, queue included, if
+recomputing elsewhere costs more than R x its prefill there; "fallback": only while the policy's choice would
+still meet the SLO once the holder has room):
 
 {tuning}
 **Fairness**: SLO attainment by prompt-length quartile of the evaluation slice:
