@@ -74,7 +74,7 @@ from typing import TYPE_CHECKING, Any
 
 from predictors.telemetry import SLO
 from scheduler.admission import resolve_slo, retry_seconds
-from scheduler.explain import cheapest_prefill_s
+from scheduler.explain import candidates, cheapest_prefill_s
 from scheduler.frame import LoadFrame, MatchCache
 from scheduler.policies.base import _coerce  # the same parsing as every policy parameter
 from scheduler.types import OVER_SLO, Placement, Rejection, RequestFacts
