@@ -5,7 +5,7 @@ bench/decision_digests.py never turns the wait room on; this does, at ``defer_sc
 
 * ``sim``: virtual-time runs (``loadgen.simulate.run.simulate``, what ``conductor simulate`` runs)
   with ``defer=on`` on a synthetic multi-turn workload (2P+2D, overloaded), the conversation trace
-  and the Azure code trace (4P+4D, sped up), plus ``defer_spill`` and ``defer_last_chance``
+  and the Azure code trace (4P+4D, sped up), plus ``defer_spill``, ``defer_last_chance`` and ``defer_wait_holder``
   variants. One line per decision the room hands out (``offer`` and each ``pump``): request id,
   prefill, decode, predicted TTFT and TBT, refusal reason, a digest of the whole explanation
   record (with its ``deferred`` note: cost, floor, evaluations); then one line per request record
@@ -118,6 +118,11 @@ def sim_runs(quick: bool) -> list[tuple[str, Any, ClusterSpec, SLO, dict[str, An
                "defer_spill_ratio": 1.5}),
              ("conversation last_chance scan 64", conv, four, SLO(5.0, 0.2),
               {**tuned, "defer_scan": 64, "defer_last_chance": True}),
+             ("synthetic wait_holder scan 64", synth, small, SLO(0.5, 0.2),
+              {"defer": True, "defer_horizon_s": 0.05, "defer_aging": 0.05, "defer_scan": 64,
+               "defer_wait_holder": True, "defer_holder_ratio": 1.5}),
+             ("conversation wait_holder scan 64", conv, four, SLO(5.0, 0.2),
+              {**tuned, "defer_scan": 64, "defer_wait_holder": True, "defer_holder_ratio": 1.5}),
              # learned predictors with online correction: predictions move as requests finish
              ("conversation learned scan 64", conv, four, SLO(5.0, 0.2),
               {**tuned, "defer_scan": 64, "models": LEARNED})]
