@@ -116,7 +116,8 @@ def _pool(jobs: list[tuple[Any, ...]], workers: int) -> list[dict[str, Any]]:
 def prepare(name: str, a: argparse.Namespace) -> dict[str, Any]:
     spec, train_w, eval_w, out, model_dir = B.calibrated_world(name, a, PAGE)
     cache = out / "tuning.json"
-    key = {"grid": GRID, "points": POINTS[name], "train": len(train_w.requests)}
+    # as JSON reads it back (tuples become lists), or a stored key never equals a fresh one
+    key = json.loads(json.dumps({"grid": GRID, "points": POINTS[name], "train": len(train_w.requests)}))
     tuning: dict[str, Any] = {}
     if a.reuse_models and cache.exists() and json.loads(cache.read_text())["key"] == key:
         tuning = json.loads(cache.read_text())["tuning"]
