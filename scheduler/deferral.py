@@ -318,6 +318,8 @@ class WaitRoom:
     def _reconsider(self, w: _Waiter, now: float) -> Decided | None:
         """Evaluate a waiting request with its remaining SLO: dispatch it, keep it waiting (None)
         or refuse it."""
+        if w.slo.ttft_s is not None and now - w.arrived_s >= w.slo.ttft_s:
+            return self._expire(w, now)  # a late pump (a starved loop): no SLO left to evaluate against
         facts = self._remaining(w, now)
         ev = self._evaluate(facts)
         w.evaluations += 1

@@ -121,6 +121,20 @@ def test_deadline_refuses_and_holds_nothing():
     assert sched.ledger.is_idle()
 
 
+def test_a_pump_late_past_the_whole_slo_refuses_deadline_not_an_error():
+    """A pump that reaches a waiter after its TTFT SLO has run out (a starved event loop) refuses
+    it as ``deadline`` (429) rather than evaluating a negative SLO (a 400 to the client)."""
+    sched, clock, room = world()
+    offer(sched, clock, room, "r0", 16000, 1)
+    lc, d = offer(sched, clock, room, "big", 16000, 2)
+    assert d is None
+    clock.t = 2.5  # past the 2 s SLO with no pump in between
+    out = room.pump()
+    assert [(x.request_id, r.reason) for x, r in out] == [("big", DEADLINE)]
+    assert out[0][1].status == 429 and lc.phase is Phase.REJECTED
+    assert "big" not in sched.ledger and len(room) == 0
+
+
 def test_unreachable_and_bad_requests_are_refused_at_once():
     sched, clock, room = world()
     offer(sched, clock, room, "r0", 16000, 1)
