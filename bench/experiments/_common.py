@@ -26,6 +26,12 @@ TRACES = {
     "conversation": ROOT / "data/traces/mooncake_conversation_trace.jsonl",
     "azure_code": ROOT / "data/traces/azure_code_2023.csv",
 }
+#: the synthetic workload of the simulated experiments (conductor-vs-baselines.md §3b), as
+#: ``synthetic_workload`` keywords: 4-turn conversations behind a shared 2048-token system prompt
+#: (4 blocks of 512), gamma arrivals with cv 2; ``live_baselines.py`` sends it with loadgen's flags
+SYNTHETIC: dict[str, Any] = {"input_tokens": "lognormal:2000:0.6", "output_tokens": "lognormal:250:0.5",
+                             "process": "gamma", "cv": 2.0, "turns": 4, "turn_gap_s": 20.0,
+                             "shared_prefix_blocks": 4}
 PROFILE = "llama3-70b-a800x8"  # the paper's LLaMA3-70B on 8 x A800 per instance
 DOCS = ROOT / "docs/experiments"
 OUT = ROOT / "out/experiments"  # full outputs (requests.jsonl etc.), not committed
