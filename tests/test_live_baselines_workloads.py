@@ -6,9 +6,11 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import tomllib
 
 import pytest
 
+from gateway.config import GatewayConfig, parse_config
 from loadgen.cli import build_parser
 from loadgen.synthetic import parse_dist, synthetic_workload
 from loadgen.workload_args import workload_from_args
@@ -58,7 +60,9 @@ def test_conversation_default_is_what_its_page_says():
 def test_synthetic_is_the_simulated_experiments_workload():
     la, w = _workload_of("--workload", "synthetic", "--limit", "120", "--rate", "25")
     assert la.synthetic and (w.load_kind, w.loads) == ("rate", [25.0])
-    s = L.C.SYNTHETIC
+    s = L.LIVE_SYNTHETIC
+    assert {k: v for k, v in s.items() if k != "turn_gap_s"} == {k: v for k, v in L.C.SYNTHETIC.items()
+                                                                if k != "turn_gap_s"}
     want = synthetic_workload(120, 25.0, input_tokens=parse_dist(s["input_tokens"]),
                               output_tokens=parse_dist(s["output_tokens"]), process=s["process"], cv=s["cv"],
                               turns=s["turns"], turn_gap_s=s["turn_gap_s"],
@@ -87,7 +91,17 @@ def test_each_workload_has_its_own_page_and_rivals():
     assert "sglang_cache_aware" in L.WORKLOADS["synthetic"].rivals.split(",")
 
 
+def test_health_timeout_reaches_every_gateway_config():
+    def config(*argv: str):
+        text = L.health_config(_args(*argv)) + L.C.GATEWAY_CONFIG.format(
+            policy="conductor", admission="true", store="false", prefill=4, decode=2, ttft_ms=30000, tbt_ms=200)
+        return parse_config(tomllib.loads(text))
+    assert config().health_timeout_s == GatewayConfig().health_timeout_s
+    assert config("--health-timeout-s", "5").health_timeout_s == 5.0
+
+
 @pytest.mark.parametrize("argv", [["--workload", "nope"], ["--speedup", "2", "--rate", "3"], ["--limit", "0"],
+                                  ["--health-timeout-s", "0"],
                                   ["--rivals", "conductor"]])
 def test_bad_options_exit_before_any_load(argv, capsys):
     with pytest.raises(SystemExit) as e:

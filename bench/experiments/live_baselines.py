@@ -68,11 +68,18 @@ class LiveWorkload:
     about: str = ""  # a sentence for the page's setup paragraph
 
 
-def synthetic_source() -> tuple[str, ...]:
-    """``--synthetic`` and the flags that make loadgen generate ``_common.SYNTHETIC``."""
+#: the simulated experiments' synthetic workload with a 5 s think time between turns (20 s there):
+#: with 20 s, the virtual-time simulator's 4P+2D llama3-8b-h200 cluster serves 1500 requests at
+#: 300 req/s within 30 s (100% attainment), and a slice long enough to overload it (2500 requests)
+#: arrives over ~4 minutes per target, too long for ten targets live
+LIVE_SYNTHETIC = {**C.SYNTHETIC, "turn_gap_s": 5.0}
+
+
+def synthetic_source(settings: dict[str, Any]) -> tuple[str, ...]:
+    """``--synthetic`` and the flags that make loadgen generate ``settings`` (``_common.SYNTHETIC``'s keys)."""
     def text(v: Any) -> str:
         return f"{v:g}" if isinstance(v, float) else str(v)
-    return ("--synthetic", *[x for k, flag in SYNTHETIC_FLAGS.items() for x in (flag, text(C.SYNTHETIC[k]))])
+    return ("--synthetic", *[x for k, flag in SYNTHETIC_FLAGS.items() for x in (flag, text(settings[k]))])
 
 
 WORKLOADS = {
@@ -84,11 +91,13 @@ WORKLOADS = {
                                about="The Azure code trace has no prefix information: every prompt is unique, so "
                                      "placement can only balance load."),
     "synthetic": LiveWorkload("live-baselines-synthetic", "Conductor against every policy, live: synthetic multi-turn",
-                              synthetic_source(), "--requests", 800, "--rate", 60.0,
+                              synthetic_source(LIVE_SYNTHETIC), "--requests", 1200, "--rate", 100.0,
                               "sglang_cache_aware,prefix_only,lmetric",
                               about="The synthetic workload is the simulated experiments' (bench/experiments/"
-                                    "baselines.py): 4-turn conversations behind a shared 2048-token system prompt, "
-                                    "gamma arrivals with cv 2, generated at the rate given (seed 0)."),
+                                    "baselines.py: 4-turn conversations behind a shared 2048-token system prompt, "
+                                    "gamma arrivals with cv 2, generated at the rate given, seed 0) with 5 s instead "
+                                    "of 20 s between turns, so that a slice short enough to run live overloads the "
+                                    "cluster."),
 }
 
 
@@ -98,6 +107,11 @@ def workload_flags(w: LiveWorkload, a: argparse.Namespace) -> list[str]:
     if load is None:
         load_flag, load = w.load_flag, w.load
     return [*w.source, w.count_flag, str(a.limit or w.requests), load_flag, f"{load:g}"]
+
+
+def health_config(a: argparse.Namespace) -> str:
+    """Top-level gateway config lines for ``--health-timeout-s`` (none: the gateway's default)."""
+    return "" if a.health_timeout_s is None else f"health_timeout_s = {a.health_timeout_s:g}\n"
 
 
 def loadgen_command(urls: list[str], w: LiveWorkload, ttft_ms: float, a: argparse.Namespace,
@@ -114,6 +128,7 @@ def run_slo(policies: list[str], ttft_ms: float, w: LiveWorkload, a: argparse.Na
         for policy in policies:
             base, _, variant = policy.partition("+")  # conductor+defer: conductor, deferred dispatch on
             proc, url = C.start_gateway(cfg_dir, f"{policy}-{ttft_ms:g}", policy=base, store=False, admission=True,
+                                        extra=health_config(a),
                                         prefill=a.prefill, decode=a.decode, ttft_ms=ttft_ms, tbt_ms=a.slo_tbt_ms,
                                         policy_params={"defer": "on"} if variant == "defer" else None)
             procs.append(proc)
@@ -180,6 +195,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill", type=int, default=4)
     p.add_argument("--decode", type=int, default=2)
     p.add_argument("--defer", action="store_true", help="also run conductor with deferred dispatch (defer=on)")
+    p.add_argument("--health-timeout-s", type=float,
+                   help="every gateway's health_timeout_s (default: the gateway's 0.8 s); on a crowded machine "
+                        "a starved engine misses two probes and is ejected with its requests in progress")
     return p
 
 
@@ -196,8 +214,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--slo-ttft-ms: expected comma-separated milliseconds, got {a.slo_ttft_ms!r}")
     if len(set(policies)) != len(policies) or not slos:
         p.error("--rivals: conductor and each rival once; --slo-ttft-ms: at least one value")
-    if any(v is not None and not v > 0 for v in (a.limit, a.speedup, a.rate)):
-        p.error("--limit, --speedup and --rate must be > 0")
+    if any(v is not None and not v > 0 for v in (a.limit, a.speedup, a.rate, a.health_timeout_s)):
+        p.error("--limit, --speedup, --rate and --health-timeout-s must be > 0")
     cfg_dir = C.OUT / w.page / "gateways"
     cfg_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {}
@@ -224,6 +242,9 @@ def write_page(w: LiveWorkload, a: argparse.Namespace, results: dict[str, Any], 
                                                    "results": results})
     minutes = sum(r["wall_s"] for r in results.values()) / 60
     about = f"{w.about}\n" if w.about else ""
+    if a.health_timeout_s is not None:
+        about += (f"Every gateway probes its engines' health with a {a.health_timeout_s:g} s timeout (the default "
+                  "0.8 s ejected a CPU-starved engine with its requests in progress).\n")
     gen = f"""
 **Command** (regenerates this block and results.json; about {minutes:.0f} minutes of load):
 
