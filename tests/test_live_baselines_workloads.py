@@ -107,3 +107,16 @@ def test_bad_options_exit_before_any_load(argv, capsys):
     with pytest.raises(SystemExit) as e:
         L.main(argv)
     assert e.value.code == 2
+
+
+def test_failed_requests_are_named_beside_the_table():
+    def step(k: int, met: float, errors: int) -> dict:
+        return {"step": k, "slo_attainment": met, "rejected": 1, "errors": errors, "cached_tokens": {"hit_ratio": 0.5},
+                "ttft_s": {"p50": 1.0}, "goodput_rps": 2.0}
+    summary = {"targets": [{"steps": [step(0, 0.5, 7), step(1, 0.9, 0)]},
+                           {"steps": [step(0, 0.8, 0), step(1, 0.6, 0)]}]}
+    per, rows = L.target_rows(["conductor", "random"], summary)
+    assert L.errors_note(per) == "; requests failed or timed out: conductor 7"
+    assert rows[0][1] == "50.0% (1), 90.0% (2)" and rows[1][1] == "80.0% (2), 60.0% (1)"  # order reversed on odd
+    assert rows[0][4] == "**1.00x** (over random)"
+    assert L.errors_note([{**p, "errors": 0} for p in per]) == ""

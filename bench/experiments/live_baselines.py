@@ -157,6 +157,7 @@ def target_rows(policies: list[str], summary: dict[str, Any]) -> tuple[list[dict
         refused = sum(s["rejected"] for s in steps)
         positions = [(k if s["step"] % 2 == 0 else n - 1 - k) + 1 for s in steps]
         per.append({"policy": policy, "attainment": att, "positions": positions, "refused": refused,
+                    "errors": sum(s["errors"] for s in steps),
                     "hit_ratio": [s["cached_tokens"]["hit_ratio"] for s in steps],
                     "ttft_p50_s": [s["ttft_s"]["p50"] for s in steps],
                     "goodput_rps": [s["goodput_rps"] for s in steps]})
@@ -201,6 +202,12 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def errors_note(per: list[dict[str, Any]]) -> str:
+    """Requests that failed or timed out (an ejected engine's, say), which the table counts as misses."""
+    failed = [f"{p['policy']} {p['errors']}" for p in per if p["errors"]]
+    return f"; requests failed or timed out: {', '.join(failed)}" if failed else ""
+
+
 def main(argv: list[str] | None = None) -> None:
     p = parser()
     a = p.parse_args(argv)
@@ -227,9 +234,10 @@ def main(argv: list[str] | None = None) -> None:
         results[f"{ttft_ms:g}"] = {"wall_s": r["wall_s"], "targets": per,
                                    "client_bottleneck": r["summary"].get("client_bottleneck"),
                                    "load_average": r["load_average"], "started_utc": r["started_utc"]}
+        bottleneck = r["summary"].get("client_bottleneck")
         sections.append(f"""### TTFT <= {ttft_ms / 1e3:g} s
 
-`conductor loadgen` wall time {r['wall_s']:.0f} s; client bottleneck flagged: {r['summary'].get('client_bottleneck')}.
+`conductor loadgen` wall time {r['wall_s']:.0f} s; client bottleneck flagged: {bottleneck}{errors_note(per)}.
 
 """ + C.md_table(["policy", "attainment per repetition (position in the order)", "mean", "spread",
                   "conductor / best other", "refused", "prefix hit (engine-reported)", "TTFT p50 (s)",
