@@ -95,13 +95,20 @@ def start_gateway(cfg_dir: Path, name: str, *, policy: str, store: bool, admissi
     cfg.write_text(extra + GATEWAY_CONFIG.format(policy=policy, admission=str(admission).lower(),
                                                  store=str(store).lower(), prefill=prefill, decode=decode,
                                                  ttft_ms=ttft_ms, tbt_ms=tbt_ms))
-    port = free_port()
     flags = [x for k, v in (policy_params or {}).items() for x in ("--policy-param", f"{k}={v}")]
-    proc = conductor("serve", "--config", str(cfg), "--port", str(port), "--log-level", "warning", *flags,
-                     log=str(cfg_dir / f"{name}.log"))
-    url = f"http://127.0.0.1:{port}"
-    wait_until(url + "/ready", proc, timeout_s=120)
-    return proc, url
+    log = cfg_dir / f"{name}.log"
+    for attempt in range(3):  # a free port can be taken by another process before the gateway binds it
+        port = free_port()
+        proc = conductor("serve", "--config", str(cfg), "--port", str(port), "--log-level", "warning", *flags,
+                         log=str(log))
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_until(url + "/ready", proc, timeout_s=120)
+            return proc, url
+        except RuntimeError:
+            if attempt == 2 or "address already in use" not in log.read_text(errors="replace"):
+                raise
+    raise AssertionError("unreachable")
 
 
 def sim_arguments(p: Any, workloads: str, *, eval_requests: int = 1500, workers: int = 2,
