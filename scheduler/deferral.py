@@ -67,7 +67,8 @@ from typing import TYPE_CHECKING, Any
 
 from predictors.telemetry import SLO
 from scheduler.admission import resolve_slo, retry_seconds
-from scheduler.explain import candidates
+from scheduler.explain import cheapest_prefill_s
+from scheduler.frame import LoadFrame, MatchCache
 from scheduler.policies.base import _coerce  # the same parsing as every policy parameter
 from scheduler.types import OVER_SLO, Placement, Rejection, RequestFacts
 
@@ -175,6 +176,11 @@ class WaitRoom:
         self._deadlines: list[tuple[float, int, str]] = []  # (expires_s, seq, id); stale entries skipped
         self._seq = itertools.count()
         self.counts: dict[str, int] = {"waited": 0, "dispatched": 0, DEADLINE: 0, "refused": 0, "cancelled": 0}
+        # the evaluations a pump makes in a row without deciding anything share one instant's load
+        # views (scheduler/frame.py); any decision throws the frame away. Each waiter's hit-index
+        # answer is kept across pumps while the index is unchanged.
+        self._frame: LoadFrame | None = None
+        self._matches: MatchCache = {}
 
     @property
     def enabled(self) -> bool:
@@ -195,13 +201,17 @@ class WaitRoom:
         slo = resolve_slo(sched.slo, getattr(facts, "slo", None))
         if slo.ttft_s is None or getattr(facts, "request_id", None) in self._waiting:
             return lc.decide(facts)  # no deadline to order by (or a duplicate id): as without a wait room
-        view = self._holdable(sched.evaluate(facts), slo)
+        self._frame = None  # a new instant (offers come between pumps)
+        view = self._holdable(self._evaluate(facts), slo)
+        self._frame = None
         if view is None:
+            self._matches.pop(facts.request_id, None)
             return lc.decide(facts)
         now = sched.clock()
         w = _Waiter(lc, facts, now, slo, view.cost_s, view.floor_s, next(self._seq))
         w.update(view)
         if w.due_s <= now:  # it barely fits now: waiting could only lose it
+            self._matches.pop(facts.request_id, None)
             return lc.decide(facts)
         lc.wait()
         self._waiting[facts.request_id] = w
@@ -223,11 +233,29 @@ class WaitRoom:
         return _view(d.explanation, None, slack)
 
     # --- dispatch -----------------------------------------------------------------------
+    def _evaluate(self, facts: RequestFacts, avoid: set[str] | None = None) -> Placement | Rejection:
+        """``Scheduler.evaluate`` through the current frame (a new one after any decision)."""
+        return self.scheduler.evaluate(facts, avoid or (), frame=self._current_frame())
+
+    def _current_frame(self) -> LoadFrame:
+        f = self._frame
+        if f is None:
+            f = self._frame = LoadFrame(self.scheduler.clock(), self._matches)
+        return f
+
     def pump(self) -> list[Decided]:
         """Refuse the waiting requests whose deadline passed, then dispatch the cheapest waiting
         requests whose chosen prefill instance's queue is within the horizon."""
+        self._frame = None  # a new instant: nothing carries over from before
+        try:
+            return self._pump()
+        finally:
+            self._frame = None
+
+    def _pump(self) -> list[Decided]:
         if not self._waiting:
             self._deadlines.clear()
+            self._matches.clear()
             return []
         sched = self.scheduler
         now = sched.clock()
@@ -243,7 +271,7 @@ class WaitRoom:
         horizon = self.params.horizon_s
         if not self._waiting:
             return out
-        if sched.min_prefill_queue_s(now) > horizon:
+        if sched.min_prefill_queue_s(frame=self._current_frame()) > horizon:
             return out
         aging, misses = self.params.aging, 0
         # each is evaluated again even if the instance it chose last is still busy: skipping those
@@ -254,7 +282,7 @@ class WaitRoom:
                 out.append(d)
             if d is not None and isinstance(d[1], Placement):
                 misses = 0
-                if sched.min_prefill_queue_s(now) > horizon:
+                if sched.min_prefill_queue_s(frame=self._current_frame()) > horizon:
                     break
             else:
                 misses += 1
@@ -266,7 +294,7 @@ class WaitRoom:
         """Evaluate a waiting request with its remaining SLO: dispatch it, keep it waiting (None)
         or refuse it."""
         facts = self._remaining(w, now)
-        ev = self.scheduler.evaluate(facts)
+        ev = self._evaluate(facts)
         w.evaluations += 1
         if isinstance(ev, Rejection) and ev.reason == "ttft_slo_unreachable":
             return self._expire(w, now)
@@ -294,11 +322,11 @@ class WaitRoom:
         pump gives up on them and the instances with room stay idle. ``spill_ratio`` bounds the work
         a spill may add: its transfer + prefill there against its cheapest anywhere (``view``)."""
         horizon = self.params.horizon_s
-        queues = self.scheduler.prefill_queues_s(now)
+        queues = self.scheduler.prefill_queues_s(frame=self._current_frame())
         busy = {i for i, q in queues.items() if q > horizon}
         if not busy or len(busy) == len(queues):
             return None
-        ev = self.scheduler.evaluate(facts, avoid=busy)
+        ev = self._evaluate(facts, busy)
         w.evaluations += 1
         ttft = facts.slo.ttft_s if facts.slo is not None else None
         if not isinstance(ev, Placement) or ev.queue_s > horizon or ttft is None or ev.ttft_s > ttft:
@@ -315,7 +343,7 @@ class WaitRoom:
         return dataclasses.replace(w.facts, slo=SLO(ttft_s=ttft - (now - w.arrived_s), tbt_s=w.slo.tbt_s))
 
     def _decide(self, w: _Waiter, facts: RequestFacts, now: float, avoid: set[str] | None = None) -> Decided:
-        del self._waiting[w.facts.request_id]
+        self._leave(w)
         d = w.lc.decide(facts, avoid=avoid or ())
         d.explanation["deferred"] = self._note(w, now)
         self.counts["dispatched" if isinstance(d, Placement) else "refused"] += 1
@@ -323,7 +351,7 @@ class WaitRoom:
 
     def _expire(self, w: _Waiter, now: float) -> Decided:
         """Refuse a waiting request whose remaining SLO even drained queues cannot meet."""
-        del self._waiting[w.facts.request_id]
+        self._leave(w)
         sched = self.scheduler
         remaining = (w.slo.ttft_s or 0.0) - (now - w.arrived_s)
         msg = (f"deadline: waited {now - w.arrived_s:.3f}s at the gateway for a prefill queue within "
@@ -344,10 +372,18 @@ class WaitRoom:
                 "last_chance": w.due_s <= now,
                 "evaluations": w.evaluations}
 
+    def _leave(self, w: _Waiter) -> None:
+        """A waiter goes (decided now): what it decides changes the world the frame saw."""
+        self._frame = None
+        rid = w.facts.request_id
+        del self._waiting[rid]
+        self._matches.pop(rid, None)
+
     # --- the client went away -----------------------------------------------------------
     def cancel(self, request_id: str) -> RequestLifecycle | None:
         """Take a waiting request out (it held nothing); its lifecycle, for the driver to finish."""
         w = self._waiting.pop(request_id, None)
+        self._matches.pop(request_id, None)
         if w is None:
             return None
         self.counts["cancelled"] += 1
@@ -356,6 +392,7 @@ class WaitRoom:
     def _drop_finished(self) -> None:
         for rid in [rid for rid, w in self._waiting.items() if w.lc.done]:
             del self._waiting[rid]
+            self._matches.pop(rid, None)
             self.counts["cancelled"] += 1
 
     # --- when to pump next ---------------------------------------------------------------
@@ -392,8 +429,7 @@ class WaitRoom:
 def _view(record: dict[str, Any], ttft_s: float | None, slack_s: float) -> _View:
     """From a decision record: the cheapest candidate's transfer + prefill (the cost), the best TTFT
     with drained queues (plus the chosen pair's KV shipment and first step), the chosen instance."""
-    rows = candidates(record, "prefill")
-    cost = min((r["transfer_s"] + r["prefill_s"] for r in rows), default=0.0)
+    cost = cheapest_prefill_s(record)
     terms = record.get("terms") or {}
     floor = cost + terms.get("kv_transfer_s", 0.0) + terms.get("decode_first_step_s", 0.0)
     return _View(cost, floor, (record.get("chosen") or {}).get("prefill"), ttft_s, slack_s)

@@ -53,7 +53,7 @@ class LazyTable(dict[str, Any]):
     __slots__ = ("_make", "_cols")
 
     def __init__(self, columns: tuple[str, ...], make: Callable[..., list[Any]],
-                 cols: tuple[Sequence[Any], ...]):
+                 cols: tuple[Any, ...]):
         super().__init__(columns=columns, rows=None)
         self._make: Callable[..., list[Any]] | None = make
         self._cols = cols
@@ -173,11 +173,47 @@ def _decode_rows(*cols: Iterable[Any]) -> list[DecodeRow]:
     return list(zip(*cols, strict=True))
 
 
+def deferred_tables(prefill: Sequence[PrefillCandidate], rows: dict[str, Terms], prefill_scores: dict[str, float],
+                    decode: Sequence[DecodeCandidate], decode_scores: dict[str, float]) -> tuple[LazyTable, LazyTable]:
+    """The same two tables, with not even their columns taken until something reads them: for a
+    record ``evaluate`` hands out and its caller drops (the wait room reads one figure of it,
+    :func:`cheapest_prefill_s`), never kept in the decision log; the candidates and the policy's
+    rows and scores are not mutated after the decision, so a later read builds the same rows."""
+    return (LazyTable(PREFILL_COLUMNS, _prefill_rows_of, (prefill, rows, prefill_scores)),
+            LazyTable(DECODE_COLUMNS, _decode_rows_of, (decode, decode_scores)))
+
+
+def _prefill_rows_of(cands: Sequence[PrefillCandidate], rows: dict[str, Terms],
+                     scores: dict[str, float]) -> list[PrefillRow]:
+    return [prefill_row(c, rows.get(c.id, c.local) if rows else c.local, scores.get(c.id)) for c in cands]
+
+
+def _decode_rows_of(cands: Sequence[DecodeCandidate], scores: dict[str, float]) -> list[DecodeRow]:
+    return [decode_row(d, scores.get(d.id)) for d in cands]
+
+
 def candidates(record: dict[str, Any], side: str) -> list[dict[str, Any]]:
     """The ``side`` ("prefill" or "decode") candidates of a record, one dict each."""
     t = record.get(side) or {}
     cols = t.get("columns", ())
     return [dict(zip(cols, row, strict=True)) for row in t.get("rows", ())]
+
+
+def cheapest_prefill_s(record: dict[str, Any]) -> float:
+    """The least transfer + prefill over a record's prefill candidates (0.0 with none), read from
+    the terms a :class:`LazyTable` still holds rather than building its rows (the wait room asks
+    this of every evaluation it makes and keeps nothing else of the record)."""
+    t = record.get("prefill")
+    if isinstance(t, LazyTable) and t._make is _prefill_rows:
+        terms: Iterable[Terms] = t._cols[2]
+        return min((x.transfer_s + x.prefill_s for x in terms), default=0.0)
+    if isinstance(t, LazyTable) and t._make is _prefill_rows_of:
+        cands, rows, _ = t._cols
+        if rows:
+            return min((x.transfer_s + x.prefill_s for x in map(rows.get, (c.id for c in cands),
+                                                                 (c.local for c in cands))), default=0.0)
+        return min((c.local.transfer_s + c.local.prefill_s for c in cands), default=0.0)
+    return min((r["transfer_s"] + r["prefill_s"] for r in candidates(record, "prefill")), default=0.0)
 
 
 def request_labels(facts: Any, admit_fraction: float | None = None) -> dict[str, Any]:

@@ -118,10 +118,14 @@ class HitIndex:
         # prompt's store prefix is then found by bisection, not one probe per block
         self._store_runs = HeldPrefixes()
         self.overflows = 0  # BlockStored events refused by the per-instance bound
+        # bumped by every call that may change what ``match`` answers: an answer computed at one
+        # version holds while the version is unchanged (the wait room's frames, scheduler/frame.py)
+        self.version = 0
 
     # --- registration -------------------------------------------------------------------
     def register(self, instance_id: str, max_blocks: int | None = None) -> bool:
         """Give an instance a slot; False if it already has one."""
+        self.version += 1
         if instance_id in self._slot:
             return False
         if self._free:
@@ -140,6 +144,7 @@ class HitIndex:
 
     def set_max_blocks(self, instance_id: str, max_blocks: int) -> bool:
         """Change an instance's block limit (its capacity became known); False if unknown."""
+        self.version += 1
         if instance_id not in self._slot:
             return False
         self._cap[instance_id] = max_blocks
@@ -147,6 +152,7 @@ class HitIndex:
 
     def unregister(self, instance_id: str) -> bool:
         """Forget an instance and free its slot (its blocks leave the index)."""
+        self.version += 1
         if instance_id not in self._slot:
             return False
         self._clear(instance_id, tiers=(_DEV, _HOST, _STORE))
@@ -170,6 +176,7 @@ class HitIndex:
                      extra_keys: list[Any] | None = None, lora_name: str | None = None,
                      group_idx: int | None = None) -> bool:
         """Record blocks an instance stored; False when ignored (see the module's rules)."""
+        self.version += 1
         if group_idx is not None and not 0 <= group_idx < _MAX_GROUPS:
             return False
         groups = self._groups.get(instance_id) if self._groups and isinstance(instance_id, str) else None
@@ -273,6 +280,7 @@ class HitIndex:
     def block_removed(self, instance_id: str, block_hashes: list[int], medium: str | None = "GPU", *,
                       group_idx: int | None = None) -> bool:
         """Record blocks an instance evicted from one tier; False if ignored or partly unknown."""
+        self.version += 1
         slot = self._slot_of(instance_id)
         tier = tier_of(medium)
         if slot is None or tier is None or (group_idx is not None and not 0 <= group_idx < _MAX_GROUPS):
@@ -338,12 +346,14 @@ class HitIndex:
 
     def all_cleared(self, instance_id: str) -> None:
         """The engine dropped its cache: clear its device and host tiers (the store keeps its copy)."""
+        self.version += 1
         self._clear(instance_id, tiers=(_DEV, _HOST))
 
     def drop_instance(self, instance_id: str) -> None:
         """Forget what an instance holds itself (before rebuilding it from replay). What it wrote
         to the shared store stays: a restarted engine does not flush the store, and losing those
         hits until they are written again would cost every instance its store pulls."""
+        self.version += 1
         self._clear(instance_id, tiers=(_DEV, _HOST))
 
     def _forget(self, instance_id: str, slot: int, engine_hash: int, h: int, tiers: tuple[int, ...]) -> bool:

@@ -20,7 +20,7 @@ from typing import Any, Callable, Collection, Iterable
 import xxhash
 
 from predictors.analytic import analytic_predictors
-from predictors.base import DecodeState, Predictors
+from predictors.base import DecodeState, Predictors, PrefillState
 from predictors.facts import Deployment, load_deployment
 from predictors.store_traffic import StoreTraffic
 from predictors.telemetry import SLO
@@ -29,7 +29,8 @@ from scheduler import admission
 from scheduler.admission import check_headroom
 from scheduler.cost import DecisionContext, DecodeCandidate, PrefillCandidate, TermBook, best_holder
 from scheduler.deferral import DeferParams, split_params as split_defer
-from scheduler.explain import bare_record, decode_table, prefill_table, request_labels
+from scheduler.explain import bare_record, decode_table, deferred_tables, prefill_table, request_labels
+from scheduler.frame import LoadFrame
 from scheduler.hit_index import HitIndex
 from scheduler.inflight import InflightPrefixes
 from scheduler.ledger import Ledger, Reservation
@@ -284,9 +285,12 @@ class Scheduler:
         scheduler/deferral.py)."""
         return self._guarded(facts, frozenset(), commit=True, avoid=avoid)
 
-    def evaluate(self, facts: RequestFacts, avoid: Collection[str] = ()) -> Placement | Rejection:
-        """What ``decide`` would answer now, without reserving or advancing policy state."""
-        return self._guarded(facts, frozenset(), commit=False, avoid=avoid)
+    def evaluate(self, facts: RequestFacts, avoid: Collection[str] = (),
+                 frame: LoadFrame | None = None) -> Placement | Rejection:
+        """What ``decide`` would answer now, without reserving or advancing policy state.
+        ``frame``: at the frame's instant, sharing its load views and hit-index answers with the
+        evaluations before it (scheduler/frame.py; valid only while nothing is decided)."""
+        return self._guarded(facts, frozenset(), commit=False, avoid=avoid, frame=frame)
 
     def retry_excluding(self, facts: RequestFacts, exclude: set[str],
                         avoid: Collection[str] = ()) -> Placement | Rejection:
@@ -340,17 +344,32 @@ class Scheduler:
         self.store_traffic.done(request_id, None)
         return self.ledger.release(request_id, self.clock())
 
-    def prefill_queues_s(self, now: float | None = None) -> dict[str, float]:
+    def prefill_queues_s(self, now: float | None = None, frame: LoadFrame | None = None) -> dict[str, float]:
         """Each healthy prefill instance's predicted queue (s): what the wait room reads before
-        evaluating anyone (scheduler/deferral.py)."""
+        evaluating anyone (scheduler/deferral.py). With a ``frame``: at its instant, from it."""
         pool = self._pools(frozenset()).prefill
+        if frame is not None:
+            states, _, queues = self._prefill_views(pool, frame.now, frame)
+            return {s.instance: q for s, q in zip(states, queues, strict=True)}
         states, _ = self.ledger.prefill_views([i.id for i in pool], self.clock() if now is None else now)
         queue_time = self.predictors.queue.queue_time
         return {s.instance: queue_time(s) for s in states}
 
-    def min_prefill_queue_s(self, now: float | None = None) -> float:
+    def min_prefill_queue_s(self, now: float | None = None, frame: LoadFrame | None = None) -> float:
         """The shortest predicted prefill queue over the healthy prefill instances (inf with none)."""
-        return min(self.prefill_queues_s(now).values(), default=float("inf"))
+        return min(self.prefill_queues_s(now, frame).values(), default=float("inf"))
+
+    def _prefill_views(self, pool: list[Instance], now: float, frame: LoadFrame
+                       ) -> tuple[list[PrefillState], list[int], list[float]]:
+        """The ledger's prefill views of ``pool`` and their predicted queues, once per frame."""
+        key = tuple(i.id for i in pool)
+        got = frame.prefill.get(key)
+        if got is None:
+            states, actives = self.ledger.prefill_views(key, now)
+            got = frame.prefill[key] = (states, actives, list(map(self.predictors.queue.queue_time, states)))
+        else:
+            frame.hits += 1
+        return got
 
     def refuse(self, facts: RequestFacts, status: int, reason: str, message: str,
                retry_after_s: float | None = None) -> Rejection:
@@ -379,9 +398,9 @@ class Scheduler:
 
     # --- the decision -------------------------------------------------------------------
     def _guarded(self, facts: Any, exclude: frozenset[str], commit: bool,
-                 avoid: Collection[str] = ()) -> Placement | Rejection:
+                 avoid: Collection[str] = (), frame: LoadFrame | None = None) -> Placement | Rejection:
         try:
-            return self._decide(facts, exclude, commit, frozenset(avoid))
+            return self._decide(facts, exclude, commit, frozenset(avoid), frame)
         except Exception as e:  # a bug of ours must not escape into the gateway's request path
             rid = getattr(facts, "request_id", None)
             record = bare_record(rid, self.policy_name, self.clock(), "internal_error", repr(e))
@@ -407,21 +426,21 @@ class Scheduler:
         self.counts[key] = self.counts.get(key, 0) + 1
 
     def _decide(self, facts: Any, exclude: frozenset[str], commit: bool,
-                avoid: frozenset[str] = frozenset()) -> Placement | Rejection:
+                avoid: frozenset[str] = frozenset(), frame: LoadFrame | None = None) -> Placement | Rejection:
         """The stages in order; a stage that refuses raises :class:`_Refused`."""
-        now = self.clock()
+        now = self.clock() if frame is None else frame.now
         try:
             self._validate(facts, now, commit)
             ctx = DecisionContext(facts, now, self.block_size, self.predictors, self._rng_for(facts.request_id))
             ctx.slo = admission.resolve_slo(self.slo, facts.slo)
             ctx.admit_fraction = self._headroom(facts)
             self._eligible(ctx, exclude)
-            self._cache_facts(ctx)
-            self._terms(ctx, avoid)
+            self._cache_facts(ctx, frame)
+            self._terms(ctx, avoid, frame)
             choice = self._choose(ctx)
             if self.overload is not None:
                 self._overload(ctx, choice, commit)
-            self._admit(ctx, choice)
+            self._admit(ctx, choice, commit)
         except _Refused as r:
             return self._refuse(facts, r.status, r.reason, r.message, now, commit, r.record, r.retry_after_s)
         return self._commit(ctx, choice, commit)
@@ -464,16 +483,22 @@ class Scheduler:
         ctx.prefill_pool, ctx.decode_pool = prefill_pool, decode_pool
 
     # --- stage 2: cache facts (longest prefix per instance and in the store) ---------------
-    def _cache_facts(self, ctx: DecisionContext) -> None:
+    def _cache_facts(self, ctx: DecisionContext, frame: LoadFrame | None = None) -> None:
         facts = ctx.facts
         # never the last prompt token's block (the engine recomputes that token for its logits)
         usable = min(len(facts.block_hashes), (facts.prompt_tokens - 1) // self.block_size)
         raw = getattr(facts, "store_blocks", None)
         told = raw if isinstance(raw, int) and not isinstance(raw, bool) else None
-        try:  # a store answer from the store itself makes the index's store walk redundant
-            ctx.match = self.index.match(facts.block_hashes, usable, store=told is None)
-        except TypeError:
-            raise _Refused(BAD_REQUEST, "bad_block_hashes", "block hashes must be integers") from None
+        walk, version = told is None, getattr(self.index, "version", None)
+        match = None if frame is None else frame.match(facts.request_id, version, facts.block_hashes, usable, walk)
+        if match is None:
+            try:  # a store answer from the store itself makes the index's store walk redundant
+                match = self.index.match(facts.block_hashes, usable, store=walk)
+            except TypeError:
+                raise _Refused(BAD_REQUEST, "bad_block_hashes", "block hashes must be integers") from None
+            if frame is not None:
+                frame.keep_match(facts.request_id, version, facts.block_hashes, usable, walk, match)
+        ctx.match = match
         ctx.store_blocks = ctx.match.store
         if told is not None and told > ctx.store_blocks:
             ctx.store_blocks = min(told, usable)
@@ -483,7 +508,7 @@ class Scheduler:
             ctx.pending = self.inflight.match(facts.block_hashes, usable)
 
     # --- stage 3: every candidate's predicted terms ------------------------------------------
-    def _terms(self, ctx: DecisionContext, avoid: frozenset[str] = frozenset()) -> None:
+    def _terms(self, ctx: DecisionContext, avoid: frozenset[str] = frozenset(), frame: LoadFrame | None = None) -> None:
         pred, ledger, now, match = self.predictors, self.ledger, ctx.now, ctx.match
         assert match is not None, "the cache-facts stage runs first"
         book = ctx.terms = TermBook(ctx.facts.prompt_tokens, self.block_size, ctx.store_blocks, pred)
@@ -491,17 +516,27 @@ class Scheduler:
         queue_time, group = pred.queue.queue_time, self._group if pred.groups is None else pred.groups
         dev, loc = match.device, match.local
         prefill, pool = ctx.prefill, ctx.prefill_pool
-        states, actives = ledger.prefill_views([i.id for i in pool], now)
-        for i, state, active in zip(pool, states, actives, strict=True):
+        if frame is None:
+            states, actives = ledger.prefill_views([i.id for i in pool], now)
+            queues: Iterable[float] = map(queue_time, states)  # lazily: asked in the order it always was
+        else:
+            states, actives, queues = self._prefill_views(pool, now, frame)
+        for i, state, active, queue_s in zip(pool, states, actives, queues, strict=True):
             iid = i.id
-            c = PrefillCandidate(iid, i.role, dev.get(iid, 0), loc.get(iid, 0), state, queue_time(state), active,
-                                 group[iid])
+            c = PrefillCandidate(iid, i.role, dev.get(iid, 0), loc.get(iid, 0), state, queue_s, active, group[iid])
             c.local = book.local(c)
             prefill.append(c)
-        ctx.decode_load = ledger.decode_load(len(ctx.decode_pool), now)
+        if frame is None:
+            ctx.decode_load = ledger.decode_load(len(ctx.decode_pool), now)
+        else:  # sampled at this instant once: a second call then returns the same and changes nothing
+            n = len(ctx.decode_pool)
+            load = frame.decode_load.get(n)
+            if load is None:
+                load = frame.decode_load[n] = ledger.decode_load(n, now)
+            ctx.decode_load = load
         if pred.decode_load is not None:  # the cluster's decode load, before any TBT is asked
             pred.decode_load(ctx.decode_load)
-        ctx.decode = self._decode_candidates(ctx.decode_pool, ctx.facts, now, None)
+        ctx.decode = self._decode_candidates(ctx.decode_pool, ctx.facts, now, None, frame)
         ctx.holder, ctx.holder_blocks = best_holder(prefill, ctx.store_blocks)
         if avoid:  # not a destination, still a holder to pull from
             prefill[:] = [c for c in prefill if c.id not in avoid]
@@ -551,7 +586,7 @@ class Scheduler:
                                                            commit)
 
     # --- stage 5: admission against the SLO ----------------------------------------------
-    def _admit(self, ctx: DecisionContext, ch: _Choice) -> None:
+    def _admit(self, ctx: DecisionContext, ch: _Choice, commit: bool = True) -> None:
         """Fill in the pair's TTFT, SLO and record; a violated SLO refuses (raises ``_Refused``)."""
         facts, p, d = ctx.facts, ch.prefill.candidate, ch.decode
         ready = ctx.prefill_ready_s
@@ -577,7 +612,7 @@ class Scheduler:
         tbt_verdict = None if late else admission.check_tbt(d.tbt_s, slo.tbt_s, d.state, departures,
                                                             facts.prompt_tokens, facts.max_tokens, self.predictors, at)
         ch.violations = [v for v in (ttft_verdict, tbt_verdict, ch.cost_verdict) if v is not None]
-        record = self._record(ctx, ch)
+        record = self._record(ctx, ch, commit)
         verdict = ttft_verdict or tbt_verdict or ch.cost_verdict
         if verdict is not None and self.admission:
             raise _Refused(verdict.status, verdict.reason, verdict.message, record, verdict.retry_after_s)
@@ -623,13 +658,19 @@ class Scheduler:
         return placement
 
     def _decode_candidates(self, pool: list[Instance], facts: RequestFacts, now: float,
-                           at: float | None) -> list[DecodeCandidate]:
+                           at: float | None, frame: LoadFrame | None = None) -> list[DecodeCandidate]:
         """Decode candidates with their TBT once this request joins: now, or predicted at ``at``.
         A TBT predictor with ``tbt_many`` answers them all in one call (the learned one)."""
         ledger, tbt = self.ledger, self.predictors.tbt
         prompt, max_tokens = facts.prompt_tokens, facts.max_tokens
-        states = ledger.decode_states([i.id for i in pool], now) if at is None else [
-            ledger.decode_state_at(i.id, at, now) for i in pool]
+        if at is None and frame is not None:
+            key = tuple(i.id for i in pool)
+            states = frame.decode.get(key)
+            if states is None:
+                states = frame.decode[key] = ledger.decode_states(key, now)
+        else:
+            states = ledger.decode_states([i.id for i in pool], now) if at is None else [
+                ledger.decode_state_at(i.id, at, now) for i in pool]
         many = getattr(tbt, "tbt_many", None)
         tbts = many(states, prompt, max_tokens) if many is not None else [tbt.tbt(s, prompt, max_tokens)
                                                                           for s in states]
@@ -644,10 +685,13 @@ class Scheduler:
         return random.Random(xxhash.xxh3_64_intdigest(request_id.encode("utf-8", "surrogatepass"),
                                                       self.seed & 0xFFFF_FFFF_FFFF_FFFF))
 
-    def _record(self, ctx: DecisionContext, ch: _Choice) -> dict[str, Any]:
+    def _record(self, ctx: DecisionContext, ch: _Choice, commit: bool = True) -> dict[str, Any]:
         pc, d, terms, slo, violations = ch.prefill, ch.decode, ch.prefill.terms, ch.slo, ch.violations
         rows = pc.rows or {}
         scores = pc.scores
+        # an evaluation's record is read once, if at all (the wait room): its tables wait until then
+        tables = (prefill_table(ctx.prefill, rows, scores), decode_table(ctx.decode, ch.decode_scores)) if commit \
+            else deferred_tables(ctx.prefill, rows, scores, ctx.decode, ch.decode_scores)
         replication = None
         if terms.transfer_from is not None and terms.transfer_tokens > 0:
             replication = {"source": terms.transfer_from, "destination": pc.candidate.id,
@@ -662,8 +706,8 @@ class Scheduler:
             **request_labels(ctx.facts, ctx.admit_fraction),
             "store_hit_tokens": ctx.store_blocks * ctx.block_size,
             "best_holder": {"id": ctx.holder, "hit_tokens": ctx.holder_blocks * ctx.block_size},
-            "prefill": prefill_table(ctx.prefill, rows, scores),
-            "decode": decode_table(ctx.decode, ch.decode_scores),
+            "prefill": tables[0],
+            "decode": tables[1],
             "chosen": {"prefill": pc.candidate.id, "decode": d.id},
             "terms": {"hit_tokens": terms.hit_tokens, "local_hit_tokens": terms.local_hit_tokens,
                       "transfer_tokens": terms.transfer_tokens, "transfer_from": terms.transfer_from,

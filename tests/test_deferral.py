@@ -155,7 +155,7 @@ def test_pump_evaluates_nobody_while_every_queue_is_long():
         assert offer(sched, clock, room, f"w{k}", 1000 + 100 * k, 10 + k)[1] is None
     calls = []
     real = sched.evaluate
-    sched.evaluate = lambda f: calls.append(f.request_id) or real(f)  # type: ignore[method-assign]
+    sched.evaluate = lambda f, *a, **k: calls.append(f.request_id) or real(f, *a, **k)  # type: ignore[method-assign]
     clock.t = 0.1
     assert room.pump() == [] and calls == []
     clock.t = 0.3  # p1's head has 0.36 s left: still over the horizon
