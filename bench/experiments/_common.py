@@ -26,6 +26,12 @@ TRACES = {
     "conversation": ROOT / "data/traces/mooncake_conversation_trace.jsonl",
     "azure_code": ROOT / "data/traces/azure_code_2023.csv",
 }
+#: the synthetic workload of the simulated experiments (conductor-vs-baselines.md §3b), as
+#: ``synthetic_workload`` keywords: 4-turn conversations behind a shared 2048-token system prompt
+#: (4 blocks of 512), gamma arrivals with cv 2; ``live_baselines.py`` sends it with loadgen's flags
+SYNTHETIC: dict[str, Any] = {"input_tokens": "lognormal:2000:0.6", "output_tokens": "lognormal:250:0.5",
+                             "process": "gamma", "cv": 2.0, "turns": 4, "turn_gap_s": 20.0,
+                             "shared_prefix_blocks": 4}
 PROFILE = "llama3-70b-a800x8"  # the paper's LLaMA3-70B on 8 x A800 per instance
 DOCS = ROOT / "docs/experiments"
 OUT = ROOT / "out/experiments"  # full outputs (requests.jsonl etc.), not committed
@@ -89,13 +95,20 @@ def start_gateway(cfg_dir: Path, name: str, *, policy: str, store: bool, admissi
     cfg.write_text(extra + GATEWAY_CONFIG.format(policy=policy, admission=str(admission).lower(),
                                                  store=str(store).lower(), prefill=prefill, decode=decode,
                                                  ttft_ms=ttft_ms, tbt_ms=tbt_ms))
-    port = free_port()
     flags = [x for k, v in (policy_params or {}).items() for x in ("--policy-param", f"{k}={v}")]
-    proc = conductor("serve", "--config", str(cfg), "--port", str(port), "--log-level", "warning", *flags,
-                     log=str(cfg_dir / f"{name}.log"))
-    url = f"http://127.0.0.1:{port}"
-    wait_until(url + "/ready", proc, timeout_s=120)
-    return proc, url
+    log = cfg_dir / f"{name}.log"
+    for attempt in range(3):  # a free port can be taken by another process before the gateway binds it
+        port = free_port()
+        proc = conductor("serve", "--config", str(cfg), "--port", str(port), "--log-level", "warning", *flags,
+                         log=str(log))
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_until(url + "/ready", proc, timeout_s=120)
+            return proc, url
+        except RuntimeError:
+            if attempt == 2 or "address already in use" not in log.read_text(errors="replace"):
+                raise
+    raise AssertionError("unreachable")
 
 
 def sim_arguments(p: Any, workloads: str, *, eval_requests: int = 1500, workers: int = 2,

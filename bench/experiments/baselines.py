@@ -62,9 +62,9 @@ DISCUSSION = """## Discussion
 def synthetic(n: int, seed: int) -> Workload:
     """conductor-vs-baselines.md §3b: 4-turn conversations behind a shared 2048-token system
     prompt, gamma arrivals with cv 2."""
-    return synthetic_workload(n, SYNTH_RATE, input_tokens=parse_dist("lognormal:2000:0.6"),
-                              output_tokens=parse_dist("lognormal:250:0.5"), process="gamma", cv=2.0, turns=4,
-                              turn_gap_s=20.0, shared_prefix_blocks=4, seed=seed)
+    kw = {**C.SYNTHETIC, "input_tokens": parse_dist(C.SYNTHETIC["input_tokens"]),
+          "output_tokens": parse_dist(C.SYNTHETIC["output_tokens"])}
+    return synthetic_workload(n, SYNTH_RATE, seed=seed, **kw)
 
 
 def slices(name: str, train: int, n_eval: int) -> tuple[Workload, Workload]:

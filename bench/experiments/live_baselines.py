@@ -1,25 +1,40 @@
 """Conductor against the other built-in policies on the live embedded cluster (issue 15's live
 confirmation): one gateway per policy, each with its own embedded cluster of simulated engines in
 real time, every one admitting against the same SLO, and one ``conductor loadgen`` run sending the
-same Mooncake conversation slice to each in turn. Loopback only.
+same workload to each in turn. Loopback only.
 
-    .venv/bin/python bench/experiments/live_baselines.py [--rivals dynamo_cost,sglang_cache_aware,prefix_only]
-        [--slo-ttft-ms 30000,5000] [--limit 400] [--speedup 8] [--repeat 2] [--defer]
+    .venv/bin/python bench/experiments/live_baselines.py [--workload conversation|azure_code|synthetic]
+        [--rivals P,P,...] [--slo-ttft-ms 30000,5000] [--limit N] [--speedup X | --rate R] [--repeat 2] [--defer]
 
-``loadgen --repeat N`` runs the targets one after another, in the listed order on even repetitions
-and reversed on odd ones, so over two repetitions every target is as often early as late (a
-repeated load in comparison mode was the position bias issue 15 measured). One load and one SLO per
-``--slo-ttft-ms`` value. ``--defer`` adds a target ``conductor+defer``: conductor with deferred
-dispatch (``--policy-param defer=on``, gateway/waiting.py). Writes docs/experiments/live-baselines.md,
-its results.json, and the loadgen outputs to out/experiments/live-baselines/.
+Workloads (``--workload``; each writes its own page, docs/experiments/<page>.md with
+<page>/results.json, and the loadgen outputs to out/experiments/<page>/):
+
+- ``conversation`` (default): the first 400 requests of the Mooncake conversation trace at 8x,
+  against dynamo_cost, sglang_cache_aware, prefix_only -> live-baselines.md;
+- ``azure_code``: the Azure code trace (no shared prefixes) against dynamo_cost, least_loaded,
+  random -> live-baselines-azure-code.md;
+- ``synthetic``: loadgen's generator with the simulated experiments' reuse-heavy multi-turn
+  setting (``_common.SYNTHETIC``: 4 turns, a shared 2048-token system prompt, gamma arrivals with
+  cv 2) at ``--rate`` requests/s, against sglang_cache_aware, prefix_only, lmetric ->
+  live-baselines-synthetic.md.
+
+The rivals are the strongest per workload of docs/experiments/goodput-curves.md; the loads were
+chosen by a probe of the rivals alone (the pages say how). ``loadgen --repeat N`` runs the targets
+one after another, in the listed order on even repetitions and reversed on odd ones, so over two
+repetitions every target is as often early as late (a repeated load in comparison mode was the
+position bias issue 15 measured). One load and one SLO per ``--slo-ttft-ms`` value; the page is
+rewritten after each. ``--defer`` adds a target ``conductor+defer``: conductor with deferred
+dispatch (``--policy-param defer=on``, gateway/waiting.py).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,29 +47,105 @@ DISCUSSION = """## Discussion
 
 (hand-written; kept when the command regenerates the block above)
 """
+#: loadgen's synthetic flags for each ``_common.SYNTHETIC`` keyword (loadgen/workload_args.py)
+SYNTHETIC_FLAGS = {"input_tokens": "--input-tokens", "output_tokens": "--output-tokens", "process": "--arrival",
+                   "cv": "--burstiness", "turns": "--turns", "turn_gap_s": "--turn-gap",
+                   "shared_prefix_blocks": "--shared-prefix-blocks"}
 
 
-def run_slo(policies: list[str], ttft_ms: float, a: argparse.Namespace, cfg_dir: Path) -> dict[str, Any]:
+@dataclass(frozen=True)
+class LiveWorkload:
+    """What loadgen sends on one workload's page, by default at which load and against whom."""
+
+    page: str  # docs/experiments/<page>.md, its <page>/results.json, out/experiments/<page>/
+    title: str
+    source: tuple[str, ...]  # loadgen flags that name the requests
+    count_flag: str  # --limit (a trace's first N) | --requests (N generated)
+    requests: int
+    load_flag: str  # --speedup (trace time compressed) | --rate (requests/s)
+    load: float
+    rivals: str
+    about: str = ""  # a sentence for the page's setup paragraph
+
+
+#: the simulated experiments' synthetic workload with a 5 s think time between turns (20 s there):
+#: with 20 s, the virtual-time simulator's 4P+2D llama3-8b-h200 cluster serves 1500 requests at
+#: 300 req/s within 30 s (100% attainment), and a slice long enough to overload it (2500 requests)
+#: arrives over ~4 minutes per target, too long for ten targets live
+LIVE_SYNTHETIC = {**C.SYNTHETIC, "turn_gap_s": 5.0}
+
+
+def synthetic_source(settings: dict[str, Any]) -> tuple[str, ...]:
+    """``--synthetic`` and the flags that make loadgen generate ``settings`` (``_common.SYNTHETIC``'s keys)."""
+    def text(v: Any) -> str:
+        return f"{v:g}" if isinstance(v, float) else str(v)
+    return ("--synthetic", *[x for k, flag in SYNTHETIC_FLAGS.items() for x in (flag, text(settings[k]))])
+
+
+WORKLOADS = {
+    "conversation": LiveWorkload("live-baselines", "Conductor against every policy, live", ("--trace", TRACE),
+                                 "--limit", 400, "--speedup", 8.0, "dynamo_cost,sglang_cache_aware,prefix_only"),
+    "azure_code": LiveWorkload("live-baselines-azure-code", "Conductor against every policy, live: Azure code trace",
+                               ("--trace", "data/traces/azure_code_2023.csv"), "--limit", 4000, "--speedup", 80.0,
+                               "dynamo_cost,least_loaded,random",
+                               about="The Azure code trace has no prefix information: every prompt is unique, so "
+                                     "placement can only balance load."),
+    "synthetic": LiveWorkload("live-baselines-synthetic", "Conductor against every policy, live: synthetic multi-turn",
+                              synthetic_source(LIVE_SYNTHETIC), "--requests", 1200, "--rate", 100.0,
+                              "sglang_cache_aware,prefix_only,lmetric",
+                              about="The synthetic workload is the simulated experiments' (bench/experiments/"
+                                    "baselines.py: 4-turn conversations behind a shared 2048-token system prompt, "
+                                    "gamma arrivals with cv 2, generated at the rate given, seed 0) with 5 s instead "
+                                    "of 20 s between turns, so that a slice short enough to run live overloads the "
+                                    "cluster."),
+}
+
+
+def workload_flags(w: LiveWorkload, a: argparse.Namespace) -> list[str]:
+    """The loadgen flags that choose the requests and the load (the run's own flags come after)."""
+    load_flag, load = ("--rate", a.rate) if a.rate is not None else ("--speedup", a.speedup)
+    if load is None:
+        load_flag, load = w.load_flag, w.load
+    return [*w.source, w.count_flag, str(a.limit or w.requests), load_flag, f"{load:g}"]
+
+
+def health_config(a: argparse.Namespace) -> str:
+    """Top-level gateway config lines for ``--health-timeout-s`` (none: the gateway's default)."""
+    return "" if a.health_timeout_s is None else f"health_timeout_s = {a.health_timeout_s:g}\n"
+
+
+def loadgen_command(urls: list[str], w: LiveWorkload, ttft_ms: float, a: argparse.Namespace,
+                    out: Path) -> list[str]:
+    return [sys.executable, "-m", "gateway.cli", "loadgen", *[x for u in urls for x in ("--target", u)],
+            *workload_flags(w, a), "--repeat", str(a.repeat), "--slo-ttft-ms", f"{ttft_ms:g}",
+            "--slo-tbt-ms", f"{a.slo_tbt_ms:g}", "--seed", "0", "--out", str(out), "--quiet"]
+
+
+def run_slo(policies: list[str], ttft_ms: float, w: LiveWorkload, a: argparse.Namespace,
+            cfg_dir: Path) -> dict[str, Any]:
     procs, urls = [], []
     try:
         for policy in policies:
             base, _, variant = policy.partition("+")  # conductor+defer: conductor, deferred dispatch on
             proc, url = C.start_gateway(cfg_dir, f"{policy}-{ttft_ms:g}", policy=base, store=False, admission=True,
+                                        extra=health_config(a),
                                         prefill=a.prefill, decode=a.decode, ttft_ms=ttft_ms, tbt_ms=a.slo_tbt_ms,
                                         policy_params={"defer": "on"} if variant == "defer" else None)
             procs.append(proc)
             urls.append(url)
-        out = C.OUT / "live-baselines" / f"ttft-{ttft_ms:g}"
-        cmd = [sys.executable, "-m", "gateway.cli", "loadgen", *[x for u in urls for x in ("--target", u)],
-               "--trace", TRACE, "--limit", str(a.limit), "--speedup", f"{a.speedup:g}", "--repeat", str(a.repeat),
-               "--slo-ttft-ms", f"{ttft_ms:g}", "--slo-tbt-ms", f"{a.slo_tbt_ms:g}", "--seed", "0",
-               "--out", str(out), "--quiet"]
+        out = C.OUT / w.page / f"ttft-{ttft_ms:g}"
+        load_before = os.getloadavg()
         t0 = time.monotonic()
-        subprocess.run(cmd, cwd=C.ROOT, check=True)
+        subprocess.run(loadgen_command(urls, w, ttft_ms, a, out), cwd=C.ROOT, check=True)
         wall = time.monotonic() - t0
+        load_after = os.getloadavg()
     finally:
         stop(*procs)
-    return {"wall_s": wall, "summary": json.loads((out / "summary.json").read_text())}
+    print(f"  load average {load_before[0]:.2f} at the start, {load_after[0]:.2f} at the end", file=sys.stderr,
+          flush=True)
+    return {"wall_s": wall, "summary": json.loads((out / "summary.json").read_text()),
+            "load_average": {"start": load_before, "end": load_after},
+            "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - wall))}
 
 
 def target_rows(policies: list[str], summary: dict[str, Any]) -> tuple[list[dict[str, Any]], list[list[Any]]]:
@@ -66,6 +157,7 @@ def target_rows(policies: list[str], summary: dict[str, Any]) -> tuple[list[dict
         refused = sum(s["rejected"] for s in steps)
         positions = [(k if s["step"] % 2 == 0 else n - 1 - k) + 1 for s in steps]
         per.append({"policy": policy, "attainment": att, "positions": positions, "refused": refused,
+                    "errors": sum(s["errors"] for s in steps),
                     "hit_ratio": [s["cached_tokens"]["hit_ratio"] for s in steps],
                     "ttft_p50_s": [s["ttft_s"]["p50"] for s in steps],
                     "goodput_rps": [s["goodput_rps"] for s in steps]})
@@ -83,45 +175,84 @@ def target_rows(policies: list[str], summary: dict[str, Any]) -> tuple[list[dict
     return per, rows
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rivals", default="dynamo_cost,sglang_cache_aware,prefix_only",
-                   help="comma-separated built-in policies to run beside conductor")
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n\n".join(__doc__.split("\n\n")[2:4]))
+    p.add_argument("--workload", choices=tuple(WORKLOADS), default="conversation",
+                   help="what loadgen sends, and which page it writes (default: conversation)")
+    p.add_argument("--rivals", help="comma-separated built-in policies to run beside conductor (default: the "
+                   "workload's: " + "; ".join(f"{k} {w.rivals}" for k, w in WORKLOADS.items()) + ")")
     p.add_argument("--slo-ttft-ms", default="30000,5000", help="comma-separated TTFT SLOs, one run each")
     p.add_argument("--slo-tbt-ms", type=float, default=200.0)
-    p.add_argument("--limit", type=int, default=400, help="first N requests of the conversation trace")
-    p.add_argument("--speedup", type=float, default=8.0, help="trace speed-up (the load)")
+    p.add_argument("--limit", type=int, help="requests: a trace's first N, or N generated (default: the workload's: "
+                   + "; ".join(f"{k} {w.requests}" for k, w in WORKLOADS.items()) + ")")
+    load = p.add_mutually_exclusive_group()
+    load.add_argument("--speedup", type=float, help="trace speed-up (the load; default for the traces: "
+                      + "; ".join(f"{k} {w.load:g}" for k, w in WORKLOADS.items() if w.load_flag == "--speedup") + ")")
+    load.add_argument("--rate", type=float, help="requests/s (the load; default for synthetic: "
+                      f"{WORKLOADS['synthetic'].load:g}; on a trace: its arrivals replaced by a Poisson process)")
     p.add_argument("--repeat", type=int, default=2, help="repetitions, the target order reversed on odd ones")
     p.add_argument("--prefill", type=int, default=4)
     p.add_argument("--decode", type=int, default=2)
     p.add_argument("--defer", action="store_true", help="also run conductor with deferred dispatch (defer=on)")
-    a = p.parse_args()
+    p.add_argument("--health-timeout-s", type=float,
+                   help="every gateway's health_timeout_s (default: the gateway's 0.8 s); on a crowded machine "
+                        "a starved engine misses two probes and is ejected with its requests in progress")
+    return p
+
+
+def errors_note(per: list[dict[str, Any]]) -> str:
+    """Requests that failed or timed out (an ejected engine's, say), which the table counts as misses."""
+    failed = [f"{p['policy']} {p['errors']}" for p in per if p["errors"]]
+    return f"; requests failed or timed out: {', '.join(failed)}" if failed else ""
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = parser()
+    a = p.parse_args(argv)
+    w = WORKLOADS[a.workload]
+    rivals = w.rivals if a.rivals is None else a.rivals
     policies = ["conductor", *(["conductor+defer"] if a.defer else []),
-                *[x.strip() for x in a.rivals.split(",") if x.strip()]]
+                *[x.strip() for x in rivals.split(",") if x.strip()]]
     try:
         slos = [float(x) for x in a.slo_ttft_ms.split(",") if x.strip()]
     except ValueError:
         p.error(f"--slo-ttft-ms: expected comma-separated milliseconds, got {a.slo_ttft_ms!r}")
     if len(set(policies)) != len(policies) or not slos:
         p.error("--rivals: conductor and each rival once; --slo-ttft-ms: at least one value")
-    cfg_dir = C.OUT / "live-baselines" / "gateways"
+    if any(v is not None and not v > 0 for v in (a.limit, a.speedup, a.rate, a.health_timeout_s)):
+        p.error("--limit, --speedup, --rate and --health-timeout-s must be > 0")
+    cfg_dir = C.OUT / w.page / "gateways"
     cfg_dir.mkdir(parents=True, exist_ok=True)
-    results, sections = {}, []
+    results: dict[str, Any] = {}
+    sections = []
     for ttft_ms in slos:
         print(f"TTFT SLO {ttft_ms:g} ms: {', '.join(policies)}", file=sys.stderr, flush=True)
-        r = run_slo(policies, ttft_ms, a, cfg_dir)
+        r = run_slo(policies, ttft_ms, w, a, cfg_dir)
         per, rows = target_rows(policies, r["summary"])
         results[f"{ttft_ms:g}"] = {"wall_s": r["wall_s"], "targets": per,
-                                   "client_bottleneck": r["summary"].get("client_bottleneck")}
+                                   "client_bottleneck": r["summary"].get("client_bottleneck"),
+                                   "load_average": r["load_average"], "started_utc": r["started_utc"]}
+        bottleneck = r["summary"].get("client_bottleneck")
         sections.append(f"""### TTFT <= {ttft_ms / 1e3:g} s
 
-`conductor loadgen` wall time {r['wall_s']:.0f} s; client bottleneck flagged: {r['summary'].get('client_bottleneck')}.
+`conductor loadgen` wall time {r['wall_s']:.0f} s; client bottleneck flagged: {bottleneck}{errors_note(per)}.
 
 """ + C.md_table(["policy", "attainment per repetition (position in the order)", "mean", "spread",
                   "conductor / best other", "refused", "prefix hit (engine-reported)", "TTFT p50 (s)",
                   "goodput (req/s)"], rows))
-    C.save_json(C.DOCS / "live-baselines" / "results.json", {"args": vars(a), "results": results})
+        write_page(w, a, results, sections)  # after each SLO: a run cut short keeps what it measured
+
+
+def write_page(w: LiveWorkload, a: argparse.Namespace, results: dict[str, Any], sections: list[str]) -> None:
+    C.save_json(C.DOCS / w.page / "results.json", {"args": vars(a), "loadgen_workload": workload_flags(w, a),
+                                                   "results": results})
     minutes = sum(r["wall_s"] for r in results.values()) / 60
+    about = f"{w.about}\n" if w.about else ""
+    if a.health_timeout_s is not None:
+        about += (f"Every gateway probes its engines' health with a {a.health_timeout_s:g} s timeout (the default "
+                  "0.8 s ejected a CPU-starved engine with its requests in progress).\n")
     gen = f"""
 **Command** (regenerates this block and results.json; about {minutes:.0f} minutes of load):
 
@@ -132,14 +263,14 @@ def main() -> None:
 **Setup.** One `conductor serve` per policy, each with its own embedded cluster of {a.prefill} prefill +
 {a.decode} decode simulated `llama3-8b-h200` engines (vLLM two-step PD, real time, no store), every
 gateway admitting against the SLO with the analytic predictors (placement alone differs). Load:
-`conductor loadgen --trace {TRACE} --limit {a.limit} --speedup {a.speedup:g} --repeat {a.repeat}` with every
+`conductor loadgen {' '.join(workload_flags(w, a))} --repeat {a.repeat}` with every
 gateway as a target: the targets run one after another, in the order listed on even repetitions and
 reversed on odd ones (the number in brackets is the position). A request meets the SLO with its TTFT
 within the SLO and TBT (mean of its slowest 10% of gaps) <= {a.slo_tbt_ms:g} ms; the goodput ratio at equal
-offered load is the attainment ratio. **2 shared cores: compare within a table and read the spread.**
+offered load is the attainment ratio. {about}**2 shared cores: compare within a table and read the spread.**
 
 """ + "\n".join(sections)
-    C.write_doc(C.DOCS / "live-baselines.md", "Conductor against every policy, live", gen, DISCUSSION)
+    C.write_doc(C.DOCS / f"{w.page}.md", w.title, gen, DISCUSSION)
     print(gen)
 
 

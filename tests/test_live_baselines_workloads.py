@@ -1,0 +1,122 @@
+"""bench/experiments/live_baselines.py's workload choice builds the loadgen command each page says
+it runs: the conversation default as its committed page states, the synthetic workload as the
+simulated experiments generate it, the Azure trace as an Azure replay. No server is started."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import tomllib
+
+import pytest
+
+from gateway.config import GatewayConfig, parse_config
+from loadgen.cli import build_parser
+from loadgen.synthetic import parse_dist, synthetic_workload
+from loadgen.workload_args import workload_from_args
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench", "experiments"))  # live_baselines imports _common by name
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("live_baselines", os.path.join(ROOT, "bench", "experiments",
+                                                                                 "live_baselines.py"))
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["live_baselines"] = mod  # its dataclass looks itself up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+L = _load()
+
+
+def _args(*argv: str):
+    return L.parser().parse_args(list(argv))
+
+
+def _workload_of(*argv: str):
+    """The workload loadgen would build from the command live_baselines runs for ``argv``."""
+    a = _args(*argv)
+    cmd = L.loadgen_command(["http://127.0.0.1:1", "http://127.0.0.1:2"], L.WORKLOADS[a.workload], 30000.0, a,
+                            L.C.OUT / "unused")
+    assert cmd[2:4] == ["gateway.cli", "loadgen"]
+    la = build_parser().parse_args(cmd[4:])
+    assert la.target == ["http://127.0.0.1:1", "http://127.0.0.1:2"] and la.repeat == a.repeat
+    return la, workload_from_args(la, lambda msg: None)
+
+
+def test_conversation_default_is_what_its_page_says():
+    page = open(os.path.join(ROOT, "docs", "experiments", "live-baselines.md")).read()
+    flags = " ".join(L.workload_flags(L.WORKLOADS["conversation"], _args()))
+    assert f"`conductor loadgen {flags} --repeat 2`" in page
+    la, w = _workload_of()
+    assert la.trace.endswith("mooncake_conversation_trace.jsonl") and len(w.base.requests) == 400
+    assert (w.load_kind, w.loads) == ("speedup", [8.0])
+    assert L.WORKLOADS["conversation"].page == "live-baselines"
+
+
+def test_synthetic_is_the_simulated_experiments_workload():
+    la, w = _workload_of("--workload", "synthetic", "--limit", "120", "--rate", "25")
+    assert la.synthetic and (w.load_kind, w.loads) == ("rate", [25.0])
+    s = L.LIVE_SYNTHETIC
+    assert {k: v for k, v in s.items() if k != "turn_gap_s"} == {k: v for k, v in L.C.SYNTHETIC.items()
+                                                                if k != "turn_gap_s"}
+    want = synthetic_workload(120, 25.0, input_tokens=parse_dist(s["input_tokens"]),
+                              output_tokens=parse_dist(s["output_tokens"]), process=s["process"], cv=s["cv"],
+                              turns=s["turns"], turn_gap_s=s["turn_gap_s"],
+                              shared_prefix_blocks=s["shared_prefix_blocks"], seed=0)
+    assert w.regenerate is not None
+    got = w.regenerate(25.0).requests
+    key = [(r.arrival_s, r.input_length, r.output_length, r.hash_ids) for r in want.requests]
+    assert [(r.arrival_s, r.input_length, r.output_length, r.hash_ids) for r in got] == key
+    assert len({r.hash_ids[0] for r in got}) == 1  # the shared system prompt: reuse is there
+
+
+def test_azure_code_replays_its_trace_and_loads_override():
+    la, w = _workload_of("--workload", "azure_code", "--limit", "50", "--speedup", "3")
+    assert la.trace.endswith("azure_code_2023.csv") and w.base.kind == "azure" and len(w.base.requests) == 50
+    assert (w.load_kind, w.loads) == ("speedup", [3.0])
+    _, w = _workload_of("--workload", "azure_code", "--limit", "50", "--rate", "7")
+    assert (w.load_kind, w.loads) == ("rate", [7.0])
+    _, w = _workload_of("--workload", "azure_code", "--limit", "50")
+    assert (w.load_kind, w.loads) == ("speedup", [L.WORKLOADS["azure_code"].load])
+
+
+def test_each_workload_has_its_own_page_and_rivals():
+    pages = {w.page for w in L.WORKLOADS.values()}
+    assert len(pages) == len(L.WORKLOADS)
+    assert L.WORKLOADS["azure_code"].rivals.split(",")[0] == "dynamo_cost"
+    assert "sglang_cache_aware" in L.WORKLOADS["synthetic"].rivals.split(",")
+
+
+def test_health_timeout_reaches_every_gateway_config():
+    def config(*argv: str):
+        text = L.health_config(_args(*argv)) + L.C.GATEWAY_CONFIG.format(
+            policy="conductor", admission="true", store="false", prefill=4, decode=2, ttft_ms=30000, tbt_ms=200)
+        return parse_config(tomllib.loads(text))
+    assert config().health_timeout_s == GatewayConfig().health_timeout_s
+    assert config("--health-timeout-s", "5").health_timeout_s == 5.0
+
+
+@pytest.mark.parametrize("argv", [["--workload", "nope"], ["--speedup", "2", "--rate", "3"], ["--limit", "0"],
+                                  ["--health-timeout-s", "0"],
+                                  ["--rivals", "conductor"]])
+def test_bad_options_exit_before_any_load(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        L.main(argv)
+    assert e.value.code == 2
+
+
+def test_failed_requests_are_named_beside_the_table():
+    def step(k: int, met: float, errors: int) -> dict:
+        return {"step": k, "slo_attainment": met, "rejected": 1, "errors": errors, "cached_tokens": {"hit_ratio": 0.5},
+                "ttft_s": {"p50": 1.0}, "goodput_rps": 2.0}
+    summary = {"targets": [{"steps": [step(0, 0.5, 7), step(1, 0.9, 0)]},
+                           {"steps": [step(0, 0.8, 0), step(1, 0.6, 0)]}]}
+    per, rows = L.target_rows(["conductor", "random"], summary)
+    assert L.errors_note(per) == "; requests failed or timed out: conductor 7"
+    assert rows[0][1] == "50.0% (1), 90.0% (2)" and rows[1][1] == "80.0% (2), 60.0% (1)"  # order reversed on odd
+    assert rows[0][4] == "**1.00x** (over random)"
+    assert L.errors_note([{**p, "errors": 0} for p in per]) == ""
