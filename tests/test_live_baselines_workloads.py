@@ -14,6 +14,7 @@ from gateway.config import GatewayConfig, parse_config
 from loadgen.cli import build_parser
 from loadgen.synthetic import parse_dist, synthetic_workload
 from loadgen.workload_args import workload_from_args
+from scheduler.deferral import split_params
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench", "experiments"))  # live_baselines imports _common by name
@@ -100,8 +101,18 @@ def test_health_timeout_reaches_every_gateway_config():
     assert config("--health-timeout-s", "5").health_timeout_s == 5.0
 
 
+def test_defer_params_reach_conductor_defer_and_the_wait_room_accepts_them():
+    a = _args("--defer", "--defer-param", "defer_scan=64", "--defer-param", "defer_wait_holder=on")
+    params = L.defer_params(a)
+    assert params == {"defer": "on", "defer_scan": "64", "defer_wait_holder": "on"}
+    room, rest = split_params(params)
+    assert room.enabled and room.scan == 64 and room.wait_holder and rest == {}
+    assert L.defer_params(_args("--defer")) == {"defer": "on"}
+
+
 @pytest.mark.parametrize("argv", [["--workload", "nope"], ["--speedup", "2", "--rate", "3"], ["--limit", "0"],
-                                  ["--health-timeout-s", "0"],
+                                  ["--health-timeout-s", "0"], ["--defer-param", "defer_scan=64"],
+                                  ["--defer", "--defer-param", "defer_scan"],
                                   ["--rivals", "conductor"]])
 def test_bad_options_exit_before_any_load(argv, capsys):
     with pytest.raises(SystemExit) as e:

@@ -40,6 +40,7 @@ from typing import Any
 
 import _common as C
 
+from predictors.cli_args import key_value  # noqa: E402
 from tests.servers import stop  # noqa: E402
 
 TRACE = "data/traces/mooncake_conversation_trace.jsonl"
@@ -130,7 +131,7 @@ def run_slo(policies: list[str], ttft_ms: float, w: LiveWorkload, a: argparse.Na
             proc, url = C.start_gateway(cfg_dir, f"{policy}-{ttft_ms:g}", policy=base, store=False, admission=True,
                                         extra=health_config(a),
                                         prefill=a.prefill, decode=a.decode, ttft_ms=ttft_ms, tbt_ms=a.slo_tbt_ms,
-                                        policy_params={"defer": "on"} if variant == "defer" else None)
+                                        policy_params=defer_params(a) if variant == "defer" else None)
             procs.append(proc)
             urls.append(url)
         out = C.OUT / w.page / f"ttft-{ttft_ms:g}"
@@ -196,10 +197,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill", type=int, default=4)
     p.add_argument("--decode", type=int, default=2)
     p.add_argument("--defer", action="store_true", help="also run conductor with deferred dispatch (defer=on)")
+    p.add_argument("--defer-param", action="append", type=key_value, default=[], metavar="KEY=VALUE",
+                   help="with --defer: a further policy parameter of conductor+defer (repeatable), e.g. the setting "
+                        "tuned in deferral.md: defer_scan=64 defer_aging=0.05 defer_wait_holder=on")
     p.add_argument("--health-timeout-s", type=float,
                    help="every gateway's health_timeout_s (default: the gateway's 0.8 s); on a crowded machine "
                         "a starved engine misses two probes and is ejected with its requests in progress")
     return p
+
+
+def defer_params(a: argparse.Namespace) -> dict[str, str]:
+    """conductor+defer's policy parameters: deferred dispatch on, plus ``--defer-param``s."""
+    return {"defer": "on", **dict(a.defer_param)}
 
 
 def errors_note(per: list[dict[str, Any]]) -> str:
@@ -221,6 +230,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--slo-ttft-ms: expected comma-separated milliseconds, got {a.slo_ttft_ms!r}")
     if len(set(policies)) != len(policies) or not slos:
         p.error("--rivals: conductor and each rival once; --slo-ttft-ms: at least one value")
+    if a.defer_param and not a.defer:
+        p.error("--defer-param needs --defer")
     if any(v is not None and not v > 0 for v in (a.limit, a.speedup, a.rate, a.health_timeout_s)):
         p.error("--limit, --speedup, --rate and --health-timeout-s must be > 0")
     cfg_dir = C.OUT / w.page / "gateways"
@@ -250,6 +261,9 @@ def write_page(w: LiveWorkload, a: argparse.Namespace, results: dict[str, Any], 
                                                    "results": results})
     minutes = sum(r["wall_s"] for r in results.values()) / 60
     about = f"{w.about}\n" if w.about else ""
+    if a.defer_param:
+        about += ("conductor+defer runs with `" + " ".join(f"{k}={v}" for k, v in defer_params(a).items())
+                  + "` (`--policy-param`s).\n")
     if a.health_timeout_s is not None:
         about += (f"Every gateway probes its engines' health with a {a.health_timeout_s:g} s timeout (the default "
                   "0.8 s ejected a CPU-starved engine with its requests in progress).\n")
