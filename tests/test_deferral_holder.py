@@ -4,8 +4,6 @@ waits for it while it still meets its remaining TTFT SLO there and recomputing e
 than ``defer_holder_ratio`` x the holder's prefill; otherwise the policy's choice stands."""
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from predictors.telemetry import SLO, RequestRecord
@@ -13,6 +11,7 @@ from scheduler import Instance, Placement, RequestFacts, Scheduler
 from scheduler.deferral import DeferParams, WaitRoom, split_params
 from scheduler.hashing import block_hashes
 from scheduler.lifecycle import Phase, RequestLifecycle
+from tests.room_stream import drive, hold as _hold
 from tests.sched_helpers import Clock, toks
 
 BS = 16
@@ -20,8 +19,7 @@ DOC = toks(7, 12000)  # the conversation p0 holds
 
 
 def hold(sched, inst, tokens):
-    ours = block_hashes(tokens, BS)
-    assert sched.index.block_stored(inst, [h + 1 for h in ours], None, tokens, BS)
+    _hold(sched, inst, tokens, BS)
 
 
 def world(wait_holder: bool = True, ttft: float = 2.0, **kw):
@@ -125,34 +123,9 @@ def _stream(wait_holder: bool | None) -> tuple[list[str], int]:
     sched = Scheduler([Instance(f"p{k}", "prefill") for k in range(3)] + [Instance("d0", "decode")],
                       policy="conductor", slo=SLO(ttft_s=3.0), block_size=BS, clock=clock, defer=True,
                       defer_horizon_s=0.2, peer_pull=False, work_weight=0.0, **kw)
-    room = WaitRoom(sched)
-    out, held, docs = [], 0, [toks(100 + c, 6000) for c in range(6)]
-    running: list[tuple[float, str, str]] = []
-    facts_of: dict[str, list[int]] = {}
-
-    def note(d):
-        nonlocal held
-        out.append(json.dumps([type(d).__name__, d.explanation], sort_keys=True, default=repr))
-        held += "waited_for_holder" in d.explanation.get("deferred", {})
-        if isinstance(d, Placement):
-            running.append((clock.t + d.queue_s + d.prefill_s, d.request_id, d.prefill))
-
-    for k in range(60):
-        clock.t = 0.05 * k
-        for done in [r for r in running if r[0] <= clock.t]:  # prefills finish as predicted
-            running.remove(done)
-            hold(sched, done[2], facts_of[done[1]])
-            sched.prefill_done(done[1])
-        tokens = docs[0 if k % 2 else k // 2 % 6] + toks(k, 1000 + 500 * (k % 5))  # doc 0 is hot
-        f = RequestFacts(f"r{k}", len(tokens), block_hashes(tokens, BS), 8)
-        facts_of[f.request_id] = tokens[:len(tokens) // BS * BS]
-        lc = RequestLifecycle(sched, RequestRecord(f.request_id, clock.t), clock)
-        d = room.offer(lc, f)
-        if d is not None:
-            note(d)
-        for _, d2 in room.pump():
-            note(d2)
-    return out, held
+    docs = [toks(100 + c, 6000) for c in range(6)]
+    return drive(sched, clock, lambda k: docs[0 if k % 2 else k // 2 % 6] + toks(k, 1000 + 500 * (k % 5)),  # doc 0 hot
+                 "waited_for_holder", BS)
 
 
 def test_off_decides_byte_identically(monkeypatch):

@@ -3,8 +3,6 @@ goes to an instance with room when it still meets its remaining SLO there, and o
 ``Scheduler.evaluate(avoid=...)`` keeps an avoided holder as a pull source."""
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from predictors.telemetry import SLO, RequestRecord
@@ -12,10 +10,15 @@ from scheduler import Instance, Placement, RequestFacts, Scheduler
 from scheduler.deferral import DeferParams, WaitRoom, split_params
 from scheduler.hashing import block_hashes
 from scheduler.lifecycle import Phase, RequestLifecycle
+from tests.room_stream import drive, hold as _hold
 from tests.sched_helpers import Clock, toks
 
 BS = 16
 DOC = toks(7, 12000)  # the conversation p0 holds
+
+
+def hold(sched, inst, tokens):
+    _hold(sched, inst, tokens, BS)
 
 
 def world(spill: bool, ttft: float = 2.0, peer_pull: bool = False, **kw):
@@ -30,11 +33,6 @@ def world(spill: bool, ttft: float = 2.0, peer_pull: bool = False, **kw):
     d = sched.decide(RequestFacts("busy", 10000, block_hashes(busy, BS), 8))
     assert isinstance(d, Placement) and d.prefill == "p0" and d.prefill_s > 0.2
     return sched, clock, WaitRoom(sched)
-
-
-def hold(sched, inst, tokens):
-    ours = block_hashes(tokens, BS)
-    assert sched.index.block_stored(inst, [h + 1 for h in ours], None, tokens, BS)
 
 
 def turn(rid: str = "w") -> RequestFacts:
@@ -99,40 +97,14 @@ def test_avoid_keeps_the_avoided_holder_as_a_pull_source():
     assert sched.evaluate(f, avoid={"p0", "p1"}).reason == "no_healthy_prefill"
 
 
-def _stream(spill: bool, monkeypatch=None) -> tuple[list[str], int]:
+def _stream(spill: bool) -> tuple[list[str], int]:
     """Decisions of a conversation-like stream through a wait room with defer on."""
     clock = Clock(0.0)
     sched = Scheduler([Instance(f"p{k}", "prefill") for k in range(3)] + [Instance("d0", "decode")],
                       policy="conductor", slo=SLO(ttft_s=3.0), block_size=BS, clock=clock, defer=True,
                       defer_horizon_s=0.2, defer_spill=spill, peer_pull=False)
-    room = WaitRoom(sched)
-    out, spilled, docs = [], 0, [toks(100 + c, 6000) for c in range(4)]
-
-    def note(d):
-        nonlocal spilled
-        out.append(json.dumps([type(d).__name__, d.explanation], sort_keys=True, default=repr))
-        spilled += "spilled_from" in d.explanation.get("deferred", {})
-        if isinstance(d, Placement):
-            running.append((clock.t + d.queue_s + d.prefill_s, d.request_id, d.prefill))
-
-    facts_of: dict[str, list[int]] = {}
-    running: list[tuple[float, str, str]] = []
-    for k in range(60):
-        clock.t = 0.05 * k
-        for done in [r for r in running if r[0] <= clock.t]:  # prefills finish as predicted
-            running.remove(done)
-            hold(sched, done[2], facts_of[done[1]])
-            sched.prefill_done(done[1])
-        tokens = docs[k % 4] + toks(k, 200 + 100 * (k % 5))
-        f = RequestFacts(f"r{k}", len(tokens), block_hashes(tokens, BS), 8)
-        facts_of[f.request_id] = tokens[:len(tokens) // BS * BS]
-        lc = RequestLifecycle(sched, RequestRecord(f.request_id, clock.t), clock)
-        d = room.offer(lc, f)
-        if d is not None:
-            note(d)
-        for _, d2 in room.pump():
-            note(d2)
-    return out, spilled
+    docs = [toks(100 + c, 6000) for c in range(4)]
+    return drive(sched, clock, lambda k: docs[k % 4] + toks(k, 200 + 100 * (k % 5)), "spilled_from", BS)
 
 
 def test_off_decides_byte_identically_and_never_spills(monkeypatch):
