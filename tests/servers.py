@@ -67,31 +67,37 @@ def sim_engine(role: str, *extra: str, flavor: str = "vllm"):
 PORT_RETRIES = 3
 
 
+def serve(cfg: str, log: str, *flags: str, timeout_s: float = 90.0) -> tuple[subprocess.Popen, str]:
+    """``conductor serve --config cfg`` on a free loopback port, ready: (process, base URL). The
+    port is free when chosen but not reserved: a process the gateway itself starts (a Mooncake
+    transfer engine picks random listening ports) can take it before uvicorn binds, so a start that
+    fails only with EADDRINUSE is retried on a new port."""
+    for attempt in range(PORT_RETRIES):
+        port = free_port()
+        proc = conductor("serve", "--config", cfg, "--port", str(port), "--log-level", "warning", *flags, log=log)
+        try:
+            wait_until(f"http://127.0.0.1:{port}/ready", proc, timeout_s=timeout_s)
+            return proc, f"http://127.0.0.1:{port}"
+        except (RuntimeError, TimeoutError) as e:  # say why: the gateway's own last words
+            stop(proc)
+            with open(log, errors="replace") as f:
+                last_words = f.read()
+            if "address already in use" in last_words and attempt + 1 < PORT_RETRIES:
+                continue
+            raise RuntimeError(f"{e}; gateway log ends: {last_words[-2000:]}") from None
+    raise AssertionError("unreachable")
+
+
 @contextmanager
 def gateway(config_text: str = "", *, log_dir: str | None = None):
-    """A running ``conductor serve``. The port is free when chosen but not reserved: a process the
-    gateway itself starts (a Mooncake transfer engine picks random listening ports) can take it
-    before uvicorn binds, so a start that fails only with EADDRINUSE is retried on a new port."""
+    """A running ``conductor serve`` (:func:`serve`), stopped on exit."""
     with tempfile.TemporaryDirectory() as d:
         cfg = os.path.join(d, "conductor.toml")
         with open(cfg, "w") as f:
             f.write(config_text)
-        log = os.path.join(log_dir or d, "gateway.log")
-        for attempt in range(PORT_RETRIES):
-            port = free_port()
-            proc = conductor("serve", "--config", cfg, "--port", str(port), "--log-level", "warning", log=log)
-            try:
-                wait_until(f"http://127.0.0.1:{port}/ready", proc, timeout_s=90)
-                break
-            except (RuntimeError, TimeoutError) as e:  # say why: the gateway's own last words
-                stop(proc)
-                with open(log, errors="replace") as f:
-                    last_words = f.read()
-                if "address already in use" in last_words and attempt + 1 < PORT_RETRIES:
-                    continue
-                raise RuntimeError(f"{e}; gateway log ends: {last_words[-2000:]}") from None
+        proc, url = serve(cfg, os.path.join(log_dir or d, "gateway.log"))
         try:
-            yield {"url": f"http://127.0.0.1:{port}", "proc": proc, "dir": d}
+            yield {"url": url, "proc": proc, "dir": d}
         finally:
             stop(proc)
 

@@ -89,26 +89,14 @@ def start_gateway(cfg_dir: Path, name: str, *, policy: str, store: bool, admissi
     """``conductor serve`` on a free loopback port with its config and log in ``cfg_dir``; returns
     (process, URL) once it is ready. ``extra``: more top-level config lines; ``policy_params``:
     its ``--policy-param`` flags."""
-    from tests.servers import conductor, free_port, wait_until
+    from tests.servers import serve
 
     cfg = cfg_dir / f"{name}.toml"
     cfg.write_text(extra + GATEWAY_CONFIG.format(policy=policy, admission=str(admission).lower(),
                                                  store=str(store).lower(), prefill=prefill, decode=decode,
                                                  ttft_ms=ttft_ms, tbt_ms=tbt_ms))
     flags = [x for k, v in (policy_params or {}).items() for x in ("--policy-param", f"{k}={v}")]
-    log = cfg_dir / f"{name}.log"
-    for attempt in range(3):  # a free port can be taken by another process before the gateway binds it
-        port = free_port()
-        proc = conductor("serve", "--config", str(cfg), "--port", str(port), "--log-level", "warning", *flags,
-                         log=str(log))
-        url = f"http://127.0.0.1:{port}"
-        try:
-            wait_until(url + "/ready", proc, timeout_s=120)
-            return proc, url
-        except RuntimeError:
-            if attempt == 2 or "address already in use" not in log.read_text(errors="replace"):
-                raise
-    raise AssertionError("unreachable")
+    return serve(str(cfg), str(cfg_dir / f"{name}.log"), *flags, timeout_s=120)
 
 
 def sim_arguments(p: Any, workloads: str, *, eval_requests: int = 1500, workers: int = 2,
