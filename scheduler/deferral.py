@@ -69,6 +69,7 @@ import dataclasses
 import heapq
 import itertools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -88,7 +89,8 @@ PARAM_KEYS = {"defer": "enabled", "defer_horizon_s": "horizon_s", "defer_aging":
               "defer_scan": "scan", "defer_last_chance": "last_chance", "defer_slack": "slack",
               "defer_spill": "spill", "defer_spill_ratio": "spill_ratio",
               "defer_wait_holder": "wait_holder", "defer_holder_ratio": "holder_ratio",
-              "defer_holder_fallback": "holder_fallback"}
+              "defer_holder_fallback": "holder_fallback", "defer_floor_every": "floor_every",
+              "defer_slack_aging": "slack_aging"}
 #: the reason a waiting request is refused with once its remaining SLO cannot be met
 DEADLINE = "deadline"
 #: the soonest ``next_wakeup`` puts a queue-drain wake-up (a deadline may come sooner)
@@ -117,6 +119,12 @@ class DeferParams:
     # with wait_holder: only while the policy's choice would still meet the SLO after the holder's queue
     # drained to the horizon (the wait never costs the request its way out)
     holder_fallback: bool = False
+    # the fairness floor (0: off): every floor_every-th dispatch of the room goes to the waiting request
+    # with the least slack that its last evaluation placed within the SLO (see WaitRoom._pump)
+    floor_every: int = 0
+    # priority = cost x (1 - waited / TTFT SLO) (- aging x waited): a waiter's own cost is forgiven as
+    # its SLO runs out, so a long prompt catches up with the short ones before its deadline
+    slack_aging: bool = False
 
     def __post_init__(self) -> None:
         for name, v in (("defer_horizon_s", self.horizon_s), ("defer_aging", self.aging), ("defer_slack", self.slack)):
@@ -130,6 +138,9 @@ class DeferParams:
             raise ValueError(f"defer_spill_ratio must be a number >= 1 (inf: any cost), got {r!r}")
         if not isinstance(self.scan, int) or isinstance(self.scan, bool) or self.scan < 1:
             raise ValueError(f"defer_scan must be a positive integer, got {self.scan!r}")
+        k = self.floor_every
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            raise ValueError(f"defer_floor_every must be an integer >= 0 (0: off), got {k!r}")
 
 
 def split_params(policy_params: dict[str, Any]) -> tuple[DeferParams, dict[str, Any]]:
@@ -140,7 +151,8 @@ def split_params(policy_params: dict[str, Any]) -> tuple[DeferParams, dict[str, 
     for key, name in PARAM_KEYS.items():
         if key in rest:
             hint = {"enabled": bool, "last_chance": bool, "spill": bool, "wait_holder": bool,
-                    "holder_fallback": bool, "scan": int}.get(name, float)
+                    "holder_fallback": bool, "scan": int, "floor_every": int,
+                    "slack_aging": bool}.get(name, float)
             kw[name] = _coerce(key, hint, rest.pop(key))
     return DeferParams(**kw), rest
 
@@ -158,6 +170,7 @@ class _Waiter:
     due_s: float = math.inf  # its last chance: dispatched then behind the queue it was last evaluated at
     evaluations: int = 1
     held_for: str | None = None  # wait_holder: the prefix holder it last waited for rather than go elsewhere
+    latest_s: float = math.inf  # the latest start behind the queue it was last evaluated at (inf: refused then)
 
     @property
     def expires_s(self) -> float:
@@ -175,8 +188,9 @@ class _Waiter:
         if v.instead_of is not None:
             self.held_for = v.instance
         ttft = self.slo.ttft_s
+        self.latest_s = math.inf if v.ttft_s is None or ttft is None else self.arrived_s + ttft - v.ttft_s
         self.due_s = math.inf if v.ttft_s is None or ttft is None or v.slack_s < 0 \
-            else self.arrived_s + ttft - v.ttft_s - v.slack_s
+            else self.latest_s - v.slack_s
 
 
 @dataclass(slots=True)
@@ -201,6 +215,9 @@ class WaitRoom:
         self._deadlines: list[tuple[float, int, str]] = []  # (expires_s, seq, id); stale entries skipped
         self._seq = itertools.count()
         self.counts: dict[str, int] = {"waited": 0, "dispatched": 0, DEADLINE: 0, "refused": 0, "cancelled": 0}
+        if self.params.floor_every:
+            self.counts["floor"] = 0  # the floor's dispatches (a key only with it on: counts as they were)
+        self._since_floor = 0  # the room's dispatches by priority since the floor's last one
         # the evaluations a pump makes in a row without deciding anything share one instant's load
         # views (scheduler/frame.py); any decision throws the frame away. Each waiter's hit-index
         # answer is kept across pumps while the index is unchanged.
@@ -298,15 +315,20 @@ class WaitRoom:
             return out
         if sched.min_prefill_queue_s(frame=self._current_frame()) > horizon:
             return out
-        aging, misses = self.params.aging, 0
+        misses = 0
         # each is evaluated again even if the instance it chose last is still busy: skipping those
         # (the policy may choose another instance now) cost 1-5 points of attainment
-        for w in sorted(self._waiting.values(), key=lambda w: (w.cost_s + aging * w.arrived_s, w.seq)):
+        for w, floor_turn in self._order(now):
             d = self._reconsider(w, now)
             if d is not None:
                 out.append(d)
             if d is not None and isinstance(d[1], Placement):
                 misses = 0
+                if self.params.floor_every:
+                    self._since_floor = 0 if floor_turn else self._since_floor + 1
+                    if floor_turn:
+                        self.counts["floor"] += 1
+                        d[1].explanation["deferred"]["floor"] = True
                 if sched.min_prefill_queue_s(frame=self._current_frame()) > horizon:
                     break
             else:
@@ -314,6 +336,54 @@ class WaitRoom:
                 if misses >= self.params.scan:
                     break
         return out
+
+    def _order(self, now: float) -> Iterator[tuple[_Waiter, bool]]:
+        """The waiters in the order a pump evaluates them, each with whether it is the floor's turn.
+
+        Cheapest priority first (cost minus ``aging`` x waited; with ``slack_aging`` the cost is
+        scaled by the share of the TTFT SLO still left). With the fairness floor (``floor_every`` k),
+        once k - 1 dispatches in a row went by priority the next one is the floor's: the waiter with
+        the least slack (the latest time it can start behind the queue its last evaluation saw,
+        still meeting the SLO) among those its last evaluation placed within the SLO. A floor turn
+        that dispatches nobody hands the next evaluation back to the priority order, so the floor
+        never spends the pump's budget alone. The count of dispatches since the floor's last one
+        runs across pumps."""
+        p = self.params
+        aging = p.aging
+        if p.slack_aging:
+            def key(w: _Waiter) -> tuple[float, int]:
+                left = 1.0 - (now - w.arrived_s) / (w.slo.ttft_s or math.inf)
+                return w.cost_s * max(left, 0.0) + aging * w.arrived_s, w.seq
+        else:
+            def key(w: _Waiter) -> tuple[float, int]:
+                return w.cost_s + aging * w.arrived_s, w.seq
+        by_priority = sorted(self._waiting.values(), key=key)
+        if not p.floor_every:
+            for w in by_priority:
+                yield w, False
+            return
+        urgent = sorted((w for w in by_priority if w.latest_s < math.inf), key=lambda w: (w.latest_s, w.seq))
+        tried: set[int] = set()
+        i = j = 0
+        floor_missed = False
+        while True:
+            nxt: _Waiter | None = None
+            floor_turn = False
+            if self._since_floor >= p.floor_every - 1 and not floor_missed:
+                while j < len(urgent) and urgent[j].seq in tried:
+                    j += 1
+                if j < len(urgent):
+                    nxt, floor_turn = urgent[j], True
+            if nxt is None:
+                while i < len(by_priority) and by_priority[i].seq in tried:
+                    i += 1
+                if i == len(by_priority):
+                    return
+                nxt = by_priority[i]
+            tried.add(nxt.seq)
+            yield nxt, floor_turn
+            # a floor turn whose waiter still waits: the next evaluation is the priority order's
+            floor_missed = floor_turn and nxt.facts.request_id in self._waiting
 
     def _reconsider(self, w: _Waiter, now: float) -> Decided | None:
         """Evaluate a waiting request with its remaining SLO: dispatch it, keep it waiting (None)

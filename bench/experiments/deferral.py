@@ -3,7 +3,7 @@ goodput-bound.md does not exclude 1.2x (issue 15).
 
     .venv/bin/python bench/experiments/deferral.py [--train 1000] [--eval 1500] [--workers 2]
         [--workloads conversation,azure_code,synthetic] [--reuse-models] [--from-results]
-        [--tune-only [--row SETTING ...]]
+        [--tune-only [--row SETTING ...] [--point TTFT@LOAD ...]]
 
 Per workload, as goodput_curves.py: predictors calibrated on telemetry of the *training* slice;
 the deferral setting tuned there (conductor with defer on, each setting of the grid at each of the
@@ -46,6 +46,10 @@ POINTS: dict[str, list[tuple[float, float]]] = {
 # is over the horizon waits for it while it still meets its SLO there; "xR": only if the other instance's
 # prefill costs more than R x the holder's)
 _BASE: dict[str, Any] = {"defer_horizon_s": 1.0, "defer_aging": 0.05, "defer_scan": 64}
+# the tuned setting (base + wait holder x1.5), the base of the fairness rows: "floor k" (every k-th dispatch of
+# the room goes to the waiter with the least slack that can still meet its SLO), "slack aging" (priority = cost x
+# share of the TTFT SLO left), and a plain larger aging for comparison
+_TUNED: dict[str, Any] = {**_BASE, "defer_wait_holder": True, "defer_holder_ratio": 1.5}
 GRID: dict[str, dict[str, Any]] = {
     "horizon 0.25 s": {"defer_horizon_s": 0.25},
     "horizon 1 s": {"defer_horizon_s": 1.0},
@@ -76,6 +80,14 @@ GRID: dict[str, dict[str, Any]] = {
     "horizon 1 s, aging 0.05, scan 64, wait holder x2, fallback": {**_BASE, "defer_wait_holder": True,
                                                                  "defer_holder_ratio": 2.0,
                                                                  "defer_holder_fallback": True},
+    "tuned, floor 2": {**_TUNED, "defer_floor_every": 2},
+    "tuned, floor 4": {**_TUNED, "defer_floor_every": 4},
+    "tuned, floor 8": {**_TUNED, "defer_floor_every": 8},
+    "tuned, floor 16": {**_TUNED, "defer_floor_every": 16},
+    "tuned, floor 32": {**_TUNED, "defer_floor_every": 32},
+    "tuned, slack aging": {**_TUNED, "defer_slack_aging": True},
+    "tuned, slack aging, floor 4": {**_TUNED, "defer_slack_aging": True, "defer_floor_every": 4},
+    "tuned, aging 0.2": {**_TUNED, "defer_aging": 0.2},
     "horizon 1 s, last chance": {"defer_horizon_s": 1.0, "defer_last_chance": True, "defer_slack": 0.0},
     "horizon 1 s, hold only the refused": {"defer_horizon_s": 1.0, "defer_last_chance": True, "defer_slack": 1.0},
 }
@@ -119,21 +131,26 @@ def prepare(name: str, a: argparse.Namespace) -> dict[str, Any]:
     # as JSON reads it back (tuples become lists), or a stored key never equals a fresh one
     key = json.loads(json.dumps({"grid": GRID, "points": POINTS[name], "train": len(train_w.requests)}))
     tuning: dict[str, Any] = {}
+    fairness: dict[str, Any] = {}  # the training slice's attainment by prompt-length quartile, per point and setting
     if a.reuse_models and cache.exists() and json.loads(cache.read_text())["key"] == key:
-        tuning = json.loads(cache.read_text())["tuning"]
+        saved = json.loads(cache.read_text())
+        tuning, fairness = saved["tuning"], saved.get("fairness", {})
     if not tuning:
         grid: list[str | None] = [None, *GRID]
         jobs = [(train_w, spec, "conductor", load, ttft, a.slo_tbt_ms, str(model_dir), h, None)
                 for ttft, load in POINTS[name] for h in grid]
         res = iter(_pool(jobs, a.workers))
         for ttft, load in POINTS[name]:
-            row = {h or "off": next(res)["slo_attainment"] for h in grid}
+            runs = {h or "off": next(res) for h in grid}
+            row = {h: v["slo_attainment"] for h, v in runs.items()}
             tuning[f"{ttft:g}@{load:g}"] = row
-            print(f"  tune {name} {ttft:g}s {load:g}: " + ", ".join(f"{k} {v:.3f}" for k, v in row.items()),
-                  file=sys.stderr, flush=True)
-        C.save_json(cache, {"key": key, "tuning": tuning})
-    return {"name": name, "spec": spec, "eval_w": eval_w, "model_dir": str(model_dir), "tuning": tuning, "out": out,
-            "train": len(train_w.requests)}
+            fairness[f"{ttft:g}@{load:g}"] = {h: v["quartiles"] for h, v in runs.items()}
+            print(f"  tune {name} {ttft:g}s {load:g}: " + ", ".join(
+                f"{k} {v:.3f} (Q4 {runs[k]['quartiles'][-1]:.3f})" for k, v in row.items()),
+                file=sys.stderr, flush=True)
+        C.save_json(cache, {"key": key, "tuning": tuning, "fairness": fairness})
+    return {"name": name, "spec": spec, "eval_w": eval_w, "model_dir": str(model_dir), "tuning": tuning,
+            "fairness": fairness, "out": out, "train": len(train_w.requests)}
 
 
 def choose(prepared: list[dict[str, Any]]) -> str:
@@ -283,14 +300,22 @@ def main() -> None:
                    help="calibrate and tune on the training slices, print the tuning table; no evaluation, no page")
     p.add_argument("--row", action="append", choices=list(GRID), default=None,
                    help="with --tune-only: tune only this setting (repeatable; 'off' is always run)")
+    p.add_argument("--point", action="append", default=None, metavar="TTFT@LOAD",
+                   help="with --tune-only: tune at this point only (e.g. 30@12; repeatable, of each workload's points)")
     a = p.parse_args()
-    if a.row and not a.tune_only:
-        p.error("--row needs --tune-only (the page's choice is over the whole grid)")
+    if (a.row or a.point) and not a.tune_only:
+        p.error("--row and --point need --tune-only (the page's choice is over the whole grid and every point)")
     if a.tune_only:
         for k in [k for k in GRID if a.row and k not in a.row]:
             del GRID[k]
-        prepared = [prepare(n, a) for n in a.workloads.split(",")]
+        if a.point:
+            for n in POINTS:
+                POINTS[n] = [(t, x) for t, x in POINTS[n] if f"{t:g}@{x:g}" in a.point]
+        prepared = [prepare(n, a) for n in a.workloads.split(",") if POINTS[n]]
         print(tuning_table([{"workload": x["name"], "tuning": x["tuning"]} for x in prepared]))
+        print("Q4 (longest prompts):")
+        print(tuning_table([{"workload": x["name"], "tuning": {k: {h: q[-1] for h, q in v.items()}
+                                                             for k, v in x["fairness"].items()}} for x in prepared]))
         print(f"best mean over these points: {choose(prepared)}")
         return
     if a.from_results:
