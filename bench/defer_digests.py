@@ -5,8 +5,9 @@ bench/decision_digests.py never turns the wait room on; this does, at ``defer_sc
 
 * ``sim``: virtual-time runs (``loadgen.simulate.run.simulate``, what ``conductor simulate`` runs)
   with ``defer=on`` on a synthetic multi-turn workload (2P+2D, overloaded), the conversation trace
-  and the Azure code trace (4P+4D, sped up), plus ``defer_spill``, ``defer_last_chance`` and ``defer_wait_holder``
-  variants. One line per decision the room hands out (``offer`` and each ``pump``): request id,
+  and the Azure code trace (4P+4D, sped up), plus ``defer_spill``, ``defer_last_chance``, ``defer_wait_holder``
+  and fairness-floor (``defer_floor_every``, ``defer_slack_aging``) variants. One line per decision the
+  room hands out (``offer`` and each ``pump``): request id,
   prefill, decode, predicted TTFT and TBT, refusal reason, a digest of the whole explanation
   record (with its ``deferred`` note: cost, floor, evaluations); then one line per request record
   (digest of ``RequestRecord.to_dict()``) and the room's counts;
@@ -125,7 +126,13 @@ def sim_runs(quick: bool) -> list[tuple[str, Any, ClusterSpec, SLO, dict[str, An
               {**tuned, "defer_scan": 64, "defer_wait_holder": True, "defer_holder_ratio": 1.5}),
              # learned predictors with online correction: predictions move as requests finish
              ("conversation learned scan 64", conv, four, SLO(5.0, 0.2),
-              {**tuned, "defer_scan": 64, "models": LEARNED})]
+              {**tuned, "defer_scan": 64, "models": LEARNED}),
+             # the fairness floor and slack aging (on the tuned setting with wait holder)
+             ("conversation floor 4 scan 64", conv, four, SLO(5.0, 0.2),
+              {**tuned, "defer_scan": 64, "defer_wait_holder": True, "defer_floor_every": 4}),
+             ("azure_code floor 2 slack aging scan 64", azure, four, SLO(5.0, 0.2),
+              {**tuned, "defer_scan": 64, "defer_floor_every": 2, "defer_floor_quantile": 0.5,
+               "defer_slack_aging": True})]
     return runs
 
 

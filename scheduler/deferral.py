@@ -41,7 +41,18 @@ Rules, for any policy (``defer=on`` among its parameters, as ``cost_admission``)
   what remains, it is dispatched whatever the queue (shortest-job-first alone starves long
   prompts even where every request could have met the SLO). ``slack`` >= 1 holds only what would
   be refused today. Measured in docs/experiments/deferral.md: under overload last-chance
-  dispatches crowd the queues at the last moment and cost far more than they save.
+  dispatches crowd the queues at the last moment and cost far more than they save;
+* the fairness floor (``floor_every`` k, 0 = off): shortest-job-first is paid for by the long
+  prompts. Once k - 1 dispatches of the room in a row went by priority, the next is the floor's:
+  the cheapest (by the same priority) of the waiters whose prompt is at least the
+  ``floor_quantile`` (0.75) quantile of the last ``FLOOR_WINDOW`` prompts offered and whose last
+  evaluation placed them within the SLO. It is dispatched under the same rule as any other (its
+  chosen queue within the horizon); a floor turn that dispatches nobody gives the next evaluation
+  back to the priority order. The decision record's ``deferred.floor`` and the request record's
+  ``extra["floor"]`` mark the floor's dispatches, the room's counts ``floor`` counts them;
+* with ``slack_aging`` (off by default) the priority is cost x (1 - waited / TTFT SLO) (minus
+  ``aging`` x waited as before): a waiter's own cost is forgiven in proportion to the SLO it used,
+  so a long prompt catches up with the short ones as its deadline nears.
 
 The driver (the simulator's cluster, later the live gateway's proxy) owns one :class:`WaitRoom`
 per scheduler and calls, on the scheduler's clock:
@@ -69,6 +80,7 @@ import dataclasses
 import heapq
 import itertools
 import math
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -90,11 +102,13 @@ PARAM_KEYS = {"defer": "enabled", "defer_horizon_s": "horizon_s", "defer_aging":
               "defer_spill": "spill", "defer_spill_ratio": "spill_ratio",
               "defer_wait_holder": "wait_holder", "defer_holder_ratio": "holder_ratio",
               "defer_holder_fallback": "holder_fallback", "defer_floor_every": "floor_every",
-              "defer_slack_aging": "slack_aging"}
+              "defer_floor_quantile": "floor_quantile", "defer_slack_aging": "slack_aging"}
 #: the reason a waiting request is refused with once its remaining SLO cannot be met
 DEADLINE = "deadline"
 #: the soonest ``next_wakeup`` puts a queue-drain wake-up (a deadline may come sooner)
 MIN_WAKE_S = 0.05
+#: the fairness floor's long class is cut at a quantile of this many most recent prompts offered
+FLOOR_WINDOW = 1000
 #: refusals a wait can cure: the queue is long now, drained queues would meet the SLO
 _TRANSIENT = "ttft_slo"
 
@@ -119,9 +133,10 @@ class DeferParams:
     # with wait_holder: only while the policy's choice would still meet the SLO after the holder's queue
     # drained to the horizon (the wait never costs the request its way out)
     holder_fallback: bool = False
-    # the fairness floor (0: off): every floor_every-th dispatch of the room goes to the waiting request
-    # with the least slack that its last evaluation placed within the SLO (see WaitRoom._pump)
+    # the fairness floor (0: off): every floor_every-th dispatch of the room goes to a long prompt (at least
+    # the floor_quantile of the recent prompts offered), the cheapest its last evaluation placed within the SLO
     floor_every: int = 0
+    floor_quantile: float = 0.75
     # priority = cost x (1 - waited / TTFT SLO) (- aging x waited): a waiter's own cost is forgiven as
     # its SLO runs out, so a long prompt catches up with the short ones before its deadline
     slack_aging: bool = False
@@ -141,6 +156,9 @@ class DeferParams:
         k = self.floor_every
         if not isinstance(k, int) or isinstance(k, bool) or k < 0:
             raise ValueError(f"defer_floor_every must be an integer >= 0 (0: off), got {k!r}")
+        q = self.floor_quantile
+        if not (isinstance(q, (int, float)) and not isinstance(q, bool) and 0 <= q <= 1):
+            raise ValueError(f"defer_floor_quantile must be a number in [0, 1], got {q!r}")
 
 
 def split_params(policy_params: dict[str, Any]) -> tuple[DeferParams, dict[str, Any]]:
@@ -218,6 +236,7 @@ class WaitRoom:
         if self.params.floor_every:
             self.counts["floor"] = 0  # the floor's dispatches (a key only with it on: counts as they were)
         self._since_floor = 0  # the room's dispatches by priority since the floor's last one
+        self._lengths: deque[int] = deque(maxlen=FLOOR_WINDOW)  # with the floor: recent prompts offered
         # the evaluations a pump makes in a row without deciding anything share one instant's load
         # views (scheduler/frame.py); any decision throws the frame away. Each waiter's hit-index
         # answer is kept across pumps while the index is unchanged.
@@ -239,6 +258,8 @@ class WaitRoom:
         """Decide now (as ``lc.decide(facts)``) or hold the request (None: ``lc`` is WAITING)."""
         if not self.params.enabled:
             return lc.decide(facts)
+        if self.params.floor_every:
+            self._lengths.append(facts.prompt_tokens)
         sched = self.scheduler
         slo = resolve_slo(sched.slo, getattr(facts, "slo", None))
         if slo.ttft_s is None or getattr(facts, "request_id", None) in self._waiting:
@@ -329,6 +350,7 @@ class WaitRoom:
                     if floor_turn:
                         self.counts["floor"] += 1
                         d[1].explanation["deferred"]["floor"] = True
+                        d[0].record.extra["floor"] = True
                 if sched.min_prefill_queue_s(frame=self._current_frame()) > horizon:
                     break
             else:
@@ -342,12 +364,14 @@ class WaitRoom:
 
         Cheapest priority first (cost minus ``aging`` x waited; with ``slack_aging`` the cost is
         scaled by the share of the TTFT SLO still left). With the fairness floor (``floor_every`` k),
-        once k - 1 dispatches in a row went by priority the next one is the floor's: the waiter with
-        the least slack (the latest time it can start behind the queue its last evaluation saw,
-        still meeting the SLO) among those its last evaluation placed within the SLO. A floor turn
-        that dispatches nobody hands the next evaluation back to the priority order, so the floor
-        never spends the pump's budget alone. The count of dispatches since the floor's last one
-        runs across pumps."""
+        once k - 1 dispatches in a row went by priority the next one is the floor's: the cheapest by
+        the same priority among the long prompts (at least ``floor_quantile`` of the recent prompts
+        offered) that their last evaluation placed within the SLO. Cheapest, not least slack: a long
+        prompt with its prefix cached costs a fraction of an uncached one, and the floor is paid in
+        prefill capacity (least slack first lost 13-24 points at conversation 30 s / 12x). A floor
+        turn that dispatches nobody hands the next evaluation back to the priority order, so the
+        floor never spends the pump's budget alone. The count since the floor's last dispatch runs
+        across pumps."""
         p = self.params
         aging = p.aging
         if p.slack_aging:
@@ -362,7 +386,8 @@ class WaitRoom:
             for w in by_priority:
                 yield w, False
             return
-        urgent = sorted((w for w in by_priority if w.latest_s < math.inf), key=lambda w: (w.latest_s, w.seq))
+        cut = _quantile(self._lengths, p.floor_quantile)
+        urgent = [w for w in by_priority if w.latest_s < math.inf and w.facts.prompt_tokens >= cut]
         tried: set[int] = set()
         i = j = 0
         floor_missed = False
@@ -521,6 +546,14 @@ class WaitRoom:
         return {"enabled": self.params.enabled, "horizon_s": self.params.horizon_s, "aging": self.params.aging,
                 "waiting": len(self._waiting), "counts": dict(self.counts),
                 "oldest_wait_s": max((now - w.arrived_s for w in self._waiting.values()), default=0.0)}
+
+
+def _quantile(xs: deque[int], q: float) -> float:
+    """The nearest-rank ``q`` quantile of ``xs`` (the smallest x with at least q of them <= x); -inf if empty."""
+    if not xs:
+        return -math.inf
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
 
 
 def _view(record: dict[str, Any], ttft_s: float | None, slack_s: float) -> _View:

@@ -29,23 +29,25 @@ def offer(sched, clock, room, rid: str, n: int, seed: int):
 
 
 def test_params():
-    p, rest = split_params({"defer": "on", "defer_floor_every": "4", "defer_slack_aging": "on", "x": 1})
-    assert p.floor_every == 4 and p.slack_aging and rest == {"x": 1}
+    p, rest = split_params({"defer": "on", "defer_floor_every": "4", "defer_slack_aging": "on",
+                            "defer_floor_quantile": "0.5", "x": 1})
+    assert p.floor_every == 4 and p.slack_aging and p.floor_quantile == 0.5 and rest == {"x": 1}
     assert DeferParams().floor_every == 0 and not DeferParams().slack_aging  # off by default
     for bad in ({"defer_floor_every": "-1"}, {"defer_floor_every": "1.5"}, {"defer_floor_every": True},
-                {"defer_slack_aging": "maybe"}):
+                {"defer_slack_aging": "maybe"}, {"defer_floor_quantile": "1.5"}, {"defer_floor_quantile": "-0.1"}):
         with pytest.raises(ValueError, match="defer_"):
             split_params(bad)
 
 
-def _drain(floor_every: int) -> tuple[list[str], WaitRoom, RequestLifecycle]:
-    """A long prompt waits behind a busy instance with six short ones; the head finishes: who goes."""
-    sched, clock, room = world(**({"defer_floor_every": floor_every} if floor_every else {}))
+def _drain(floor_every: int, quantile: float = 0.9) -> tuple[list[str], WaitRoom, RequestLifecycle]:
+    """A long prompt waits behind a busy instance with six shorter ones; the head finishes: who goes."""
+    kw = {"defer_floor_every": floor_every, "defer_floor_quantile": quantile} if floor_every else {}
+    sched, clock, room = world(**kw)
     sched.decide(RequestFacts("r0", 16000, block_hashes(toks(1, 16000), BS), 8))
     lc, d = offer(sched, clock, room, "long", 16000, 2)
     assert d is None and lc.phase is Phase.WAITING
     for k in range(6):
-        assert offer(sched, clock, room, f"s{k}", 2000, 10 + k)[1] is None
+        assert offer(sched, clock, room, f"s{k}", 2000 + 100 * k, 10 + k)[1] is None
     clock.t = 0.7
     sched.prefill_done("r0")
     return [x.request_id for x, d in room.pump() if isinstance(d, Placement)], room, lc
@@ -57,10 +59,13 @@ def test_shortest_first_holds_the_long_prompt_the_floor_dispatches_it():
     assert "floor" not in room.counts
     for k in (1, 2):
         order, room, lc = _drain(k)
-        # every k-th dispatch is the floor's: the waiter with the least slack, the long prompt
+        # every k-th dispatch is the floor's: the cheapest of the long prompts (here the longest seventh)
         assert order.index("long") == k - 1 and lc.phase is Phase.PLACED, (k, order)
         assert room.counts["floor"] == 1
         assert lc.record.extra["wait_s"] == pytest.approx(0.7)
+    # the long class cut at the 75th percentile of the seven: 2500 and 16000 tokens; the cheaper goes
+    order, room, lc = _drain(1, 0.75)
+    assert order[:2] == ["s5", "long"]  # every dispatch the floor's: both long ones, cheaper first
 
 
 def test_the_floor_skips_a_waiter_its_last_evaluation_refused():

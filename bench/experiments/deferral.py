@@ -3,7 +3,7 @@ goodput-bound.md does not exclude 1.2x (issue 15).
 
     .venv/bin/python bench/experiments/deferral.py [--train 1000] [--eval 1500] [--workers 2]
         [--workloads conversation,azure_code,synthetic] [--reuse-models] [--from-results]
-        [--tune-only [--row SETTING ...] [--point TTFT@LOAD ...]]
+        [--tune-only [--row SETTING ...] [--point TTFT@LOAD ...]] [--setting S [--floor-setting F]]
 
 Per workload, as goodput_curves.py: predictors calibrated on telemetry of the *training* slice;
 the deferral setting tuned there (conductor with defer on, each setting of the grid at each of the
@@ -30,6 +30,8 @@ import overload_admission as O
 from predictors.telemetry import SLO, RequestRecord  # noqa: E402
 
 PAGE = "deferral"
+#: the run of conductor with the fairness floor's setting (--floor-setting)
+FLOOR_RUN = "conductor + defer + floor"
 # (TTFT SLO, load): the points of goodput-curves.md where goodput-bound.md does not exclude 1.2x
 POINTS: dict[str, list[tuple[float, float]]] = {
     "conversation": [(5.0, 8.0), (30.0, 8.0), (30.0, 12.0), (30.0, 16.0)],
@@ -47,8 +49,8 @@ POINTS: dict[str, list[tuple[float, float]]] = {
 # prefill costs more than R x the holder's)
 _BASE: dict[str, Any] = {"defer_horizon_s": 1.0, "defer_aging": 0.05, "defer_scan": 64}
 # the tuned setting (base + wait holder x1.5), the base of the fairness rows: "floor k" (every k-th dispatch of
-# the room goes to the waiter with the least slack that can still meet its SLO), "slack aging" (priority = cost x
-# share of the TTFT SLO left), and a plain larger aging for comparison
+# the room goes to the cheapest waiter among the longest quarter of the recent prompts that can still meet its
+# SLO), "slack aging" (priority = cost x share of the TTFT SLO left), and a plain larger aging for comparison
 _TUNED: dict[str, Any] = {**_BASE, "defer_wait_holder": True, "defer_holder_ratio": 1.5}
 GRID: dict[str, dict[str, Any]] = {
     "horizon 0.25 s": {"defer_horizon_s": 0.25},
@@ -80,13 +82,16 @@ GRID: dict[str, dict[str, Any]] = {
     "horizon 1 s, aging 0.05, scan 64, wait holder x2, fallback": {**_BASE, "defer_wait_holder": True,
                                                                  "defer_holder_ratio": 2.0,
                                                                  "defer_holder_fallback": True},
-    "tuned, floor 2": {**_TUNED, "defer_floor_every": 2},
     "tuned, floor 4": {**_TUNED, "defer_floor_every": 4},
     "tuned, floor 8": {**_TUNED, "defer_floor_every": 8},
     "tuned, floor 16": {**_TUNED, "defer_floor_every": 16},
+    "tuned, floor 12": {**_TUNED, "defer_floor_every": 12},
+    "tuned, floor 24": {**_TUNED, "defer_floor_every": 24},
     "tuned, floor 32": {**_TUNED, "defer_floor_every": 32},
     "tuned, slack aging": {**_TUNED, "defer_slack_aging": True},
-    "tuned, slack aging, floor 4": {**_TUNED, "defer_slack_aging": True, "defer_floor_every": 4},
+    "tuned, slack aging, floor 16": {**_TUNED, "defer_slack_aging": True, "defer_floor_every": 16},
+    "tuned, slack aging, floor 32": {**_TUNED, "defer_slack_aging": True, "defer_floor_every": 32},
+    "tuned, slack aging, floor 8": {**_TUNED, "defer_slack_aging": True, "defer_floor_every": 8},
     "tuned, aging 0.2": {**_TUNED, "defer_aging": 0.2},
     "horizon 1 s, last chance": {"defer_horizon_s": 1.0, "defer_last_chance": True, "defer_slack": 0.0},
     "horizon 1 s, hold only the refused": {"defer_horizon_s": 1.0, "defer_last_chance": True, "defer_slack": 1.0},
@@ -116,6 +121,8 @@ def waits(recs: list[RequestRecord], slo: SLO) -> dict[str, Any]:
     waited = [r for r in recs if "wait_s" in r.extra]
     ok = [r for r in waited if r.meets(slo)]
     return {"waited": len(waited), "deadline": sum(r.reject_reason == "deadline" for r in recs),
+            "floor": sum(bool(r.extra.get("floor")) for r in recs),
+            "floor_met_slo": sum(bool(r.extra.get("floor")) and r.meets(slo) for r in recs),
             "waited_met_slo": len(ok),
             "wait_mean_s": statistics.mean(r.extra["wait_s"] for r in waited) if waited else None}
 
@@ -169,15 +176,16 @@ def stored() -> tuple[dict[tuple[str, float, float], dict[str, Any]], dict[tuple
     return pts, bnd
 
 
-def evaluate(p: dict[str, Any], a: argparse.Namespace, horizon: str) -> dict[str, Any]:
+def evaluate(p: dict[str, Any], a: argparse.Namespace, horizon: str, floor: str | None = None) -> dict[str, Any]:
     curves, bound = stored()
     name, w, spec, mdir = p["name"], p["eval_w"], p["spec"], p["model_dir"]
     jobs, keys = [], []
+    extra = [] if floor is None else [(FLOOR_RUN, "conductor", floor)]
     for ttft, load in POINTS[name]:
         best = curves[(name, ttft, load)]["best"]
         out = p["out"] / f"ttft{ttft:g}-{load:g}"
         for label, policy, h in (("conductor", "conductor", None), ("conductor + defer", "conductor", horizon),
-                                 ("best other", best, None), ("best other + defer", best, horizon)):
+                                 ("best other", best, None), ("best other + defer", best, horizon), *extra):
             jobs.append((w, spec, policy, load, ttft, a.slo_tbt_ms, mdir, h, str(out / label.replace(" + ", "-"))))
             keys.append((ttft, load, label))
     res = dict(zip(keys, _pool(jobs, a.workers), strict=True))
@@ -185,7 +193,7 @@ def evaluate(p: dict[str, Any], a: argparse.Namespace, horizon: str) -> dict[str
     for ttft, load in POINTS[name]:
         c, b = curves[(name, ttft, load)], bound[(name, ttft, load)]
         runs = {label: res[(ttft, load, label)] for label in
-                ("conductor", "conductor + defer", "best other", "best other + defer")}
+                ("conductor", "conductor + defer", "best other", "best other + defer", *(x[0] for x in extra))}
         points.append({"ttft_s": ttft, "load": load, "best": c["best"],
                        "stored_best": c["runs"][c["best"]]["slo_attainment"],
                        "stored_conductor": c["runs"]["conductor"]["slo_attainment"],
@@ -195,8 +203,9 @@ def evaluate(p: dict[str, Any], a: argparse.Namespace, horizon: str) -> dict[str
     return {"workload": name, "train": p["train"], "eval": len(w.requests), "tuning": p["tuning"], "points": points}
 
 
-def render(results: list[dict[str, Any]], horizon: str, a: argparse.Namespace, command: str) -> str:
-    rows, frows, lrows = [], [], []
+def render(results: list[dict[str, Any]], horizon: str, a: argparse.Namespace, command: str,
+           floor: str | None = None) -> str:
+    rows, frows, lrows, flrows = [], [], [], []
     for r in results:
         for pt in r["points"]:
             runs = pt["runs"]
@@ -208,7 +217,15 @@ def render(results: list[dict[str, Any]], horizon: str, a: argparse.Namespace, c
                          C.pct(cu), f"**{C.pct(co)}**", f"{100 * (co - cu):+.1f}",
                          f"{cu / max(bo, 1e-9):.2f}x", f"**{co / max(bo, 1e-9):.2f}x**",
                          f"{co / max(best_any, 1e-9):.2f}x", C.pct(pt["bound"]), f"{co / pt['bound']:.2f}"])
-            for label in ("conductor", "conductor + defer", "best other", "best other + defer"):
+            if FLOOR_RUN in runs:
+                fl = runs[FLOOR_RUN]
+                q4 = runs["conductor"]["quartiles"][-1], runs["conductor + defer"]["quartiles"][-1], fl["quartiles"][-1]
+                fa = fl["slo_attainment"]
+                flrows.append([r["workload"], *lbl, C.pct(q4[0]), C.pct(q4[1]), f"**{C.pct(q4[2])}**",
+                               "yes" if q4[2] >= q4[0] else "**no**", C.pct(co), f"**{C.pct(fa)}**",
+                               f"{100 * (fa - co):+.1f}", f"{fa / max(bo, 1e-9):.2f}x", fl.get("floor", "-")])
+            for label in ("conductor", "conductor + defer", "best other", "best other + defer",
+                          *([FLOOR_RUN] if FLOOR_RUN in runs else [])):
                 v = runs[label]
                 name = label.replace("best other", pt["best"])
                 frows.append([r["workload"], *lbl, name, *[C.pct(x) for x in v["quartiles"]]])
@@ -227,6 +244,15 @@ def render(results: list[dict[str, Any]], horizon: str, a: argparse.Namespace, c
     loss = C.md_table(["workload", "TTFT SLO", "load", "run", "attainment", "refused", "of which deadline",
                        "unreachable", "late TTFT", "late TBT", "waited", "waited and met the SLO", "mean wait (s)",
                        "TTFT mean (s)", "prefix hit"], lrows)
+    floor_block = "" if floor is None else f"""
+**Fairness floor** (conductor with the setting above plus the floor: **{floor}**, {', '.join(
+        f'{k}={v}' for k, v in GRID[floor].items() if k not in GRID[horizon] or GRID[horizon][k] != v)};
+chosen on the training slices, see the discussion; "{FLOOR_RUN}" in the tables below; target: its Q4 no
+lower than conductor's without deferral, its attainment at most ~1 point under conductor + defer):
+
+{C.md_table(["workload", "TTFT SLO", "load", "Q4 conductor", "Q4 conductor + defer", "Q4 + floor",
+             "Q4 + floor >= conductor", "conductor + defer", "+ floor", "floor cost (points)",
+             "+ floor / best other", "floor dispatches"], flrows)}"""
     return f"""
 **Command** (regenerates this block and results.json):
 
@@ -251,7 +277,7 @@ defer below. "Best other" = the best other policy at that point in goodput-curve
 Ratios are attainment ratios at equal offered load (= goodput ratios); bound = the mean-step-time
 attainment bound of goodput-bound/results.json.
 
-{summary}
+{summary}{floor_block}
 **Tuning** (conductor on the *training* slice; SLO attainment; "aging 0.05": 0.05 s of predicted
 cost forgiven per second waited; "scan 64": a pump gives up after 64 evaluations in a row that
 dispatched nobody (default 4); "last chance": a waiting request is dispatched behind a long queue once
@@ -293,6 +319,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     C.sim_arguments(p, ",".join(POINTS))
     p.add_argument("--setting", choices=list(GRID), default=None, help="skip tuning: use this setting")
+    p.add_argument("--floor-setting", choices=list(GRID), default=None,
+                   help="also evaluate conductor with this setting (the fairness floor's, tuned with --tune-only)")
     p.add_argument("--reuse-models", action="store_true",
                    help="skip calibration (and tuning) when out/experiments/deferral/<workload> has them")
     p.add_argument("--from-results", action="store_true", help="re-render the page from its results.json")
@@ -321,20 +349,22 @@ def main() -> None:
     if a.from_results:
         saved = json.loads((C.DOCS / PAGE / "results.json").read_text())
         results, command, horizon = saved["results"], saved["command"], saved["setting"]
+        floor = saved.get("floor_setting")
         GRID.clear()
         GRID.update(saved["grid"])
     else:
+        floor = a.floor_setting
         if a.setting is not None:
-            for k in [k for k in GRID if k != a.setting]:
+            for k in [k for k in GRID if k not in (a.setting, floor)]:
                 del GRID[k]
         prepared = [prepare(n, a) for n in a.workloads.split(",")]
-        horizon = choose(prepared)
+        horizon = a.setting if a.setting is not None and floor is not None else choose(prepared)
         print(f"tuned on the training slices: {horizon}", file=sys.stderr, flush=True)
-        results, command = [evaluate(x, a, horizon) for x in prepared], C.command_line()
+        results, command = [evaluate(x, a, horizon, floor) for x in prepared], C.command_line()
     C.save_json(C.DOCS / PAGE / "results.json", {"command": command, "profile": B.PROFILE, "setting": horizon,
-                                                 "grid": GRID, "results": results})
+                                                 "floor_setting": floor, "grid": GRID, "results": results})
     C.write_doc(C.DOCS / f"{PAGE}.md", "Deferred dispatch (late binding) at the points where 1.2x is not excluded",
-                render(results, horizon, a, command), DISCUSSION, command)
+                render(results, horizon, a, command, floor), DISCUSSION, command)
     print(f"wrote {C.DOCS / PAGE}.md")
 
 
