@@ -3,7 +3,7 @@ goodput-bound.md does not exclude 1.2x (issue 15).
 
     .venv/bin/python bench/experiments/deferral.py [--train 1000] [--eval 1500] [--workers 2]
         [--workloads conversation,azure_code,synthetic] [--reuse-models] [--from-results]
-        [--tune-only [--row SETTING ...] [--point TTFT@LOAD ...]] [--setting S [--floor-setting F]]
+        [--tune-only [--row SETTING ...] [--point TTFT@LOAD ...]] [--setting S [--floor-setting F ...]]
 
 Per workload, as goodput_curves.py: predictors calibrated on telemetry of the *training* slice;
 the deferral setting tuned there (conductor with defer on, each setting of the grid at each of the
@@ -30,8 +30,11 @@ import overload_admission as O
 from predictors.telemetry import SLO, RequestRecord  # noqa: E402
 
 PAGE = "deferral"
-#: the run of conductor with the fairness floor's setting (--floor-setting)
-FLOOR_RUN = "conductor + defer + floor"
+
+
+def floor_run(setting: str) -> str:
+    """The label of conductor's run with a fairness-floor setting (--floor-setting)."""
+    return "conductor + defer + " + setting.removeprefix("tuned, ")
 # (TTFT SLO, load): the points of goodput-curves.md where goodput-bound.md does not exclude 1.2x
 POINTS: dict[str, list[tuple[float, float]]] = {
     "conversation": [(5.0, 8.0), (30.0, 8.0), (30.0, 12.0), (30.0, 16.0)],
@@ -167,6 +170,21 @@ def choose(prepared: list[dict[str, Any]]) -> str:
     return max(names, key=lambda h: (round(score[h], 6), -names.index(h)))
 
 
+def choose_floor(prepared: list[dict[str, Any]], base: str) -> str | None:
+    """The fairness floor's setting: of the rows tuned with ``base``'s setting under them (named
+    "tuned, ..."), the one whose Q4 attainment is no lower than conductor's without deferral ("off") at
+    the most training points, then the smallest mean loss of attainment against ``base``."""
+    rows = [h for h in GRID if h.startswith("tuned, ")]
+    pts = [(p["tuning"][k], p["fairness"][k]) for p in prepared for k in p["tuning"]]
+    if not rows or any(base not in t for t, _ in pts):
+        return None
+
+    def score(h: str) -> tuple[int, float]:
+        fair = sum(f[h][-1] >= f["off"][-1] for _, f in pts)
+        return fair, -statistics.mean(t[base] - t[h] for t, _ in pts)
+    return max(rows, key=score)
+
+
 def stored() -> tuple[dict[tuple[str, float, float], dict[str, Any]], dict[tuple[str, float, float], dict[str, Any]]]:
     """goodput-curves' points (best other, its attainment, conductor's) and goodput-bound's."""
     curves = json.loads((C.DOCS / "goodput-curves" / "results.json").read_text())
@@ -176,11 +194,11 @@ def stored() -> tuple[dict[tuple[str, float, float], dict[str, Any]], dict[tuple
     return pts, bnd
 
 
-def evaluate(p: dict[str, Any], a: argparse.Namespace, horizon: str, floor: str | None = None) -> dict[str, Any]:
+def evaluate(p: dict[str, Any], a: argparse.Namespace, horizon: str, floors: list[str]) -> dict[str, Any]:
     curves, bound = stored()
     name, w, spec, mdir = p["name"], p["eval_w"], p["spec"], p["model_dir"]
     jobs, keys = [], []
-    extra = [] if floor is None else [(FLOOR_RUN, "conductor", floor)]
+    extra = [(floor_run(f), "conductor", f) for f in floors]
     for ttft, load in POINTS[name]:
         best = curves[(name, ttft, load)]["best"]
         out = p["out"] / f"ttft{ttft:g}-{load:g}"
@@ -204,7 +222,7 @@ def evaluate(p: dict[str, Any], a: argparse.Namespace, horizon: str, floor: str 
 
 
 def render(results: list[dict[str, Any]], horizon: str, a: argparse.Namespace, command: str,
-           floor: str | None = None) -> str:
+           floors: list[str]) -> str:
     rows, frows, lrows, flrows = [], [], [], []
     for r in results:
         for pt in r["points"]:
@@ -217,15 +235,16 @@ def render(results: list[dict[str, Any]], horizon: str, a: argparse.Namespace, c
                          C.pct(cu), f"**{C.pct(co)}**", f"{100 * (co - cu):+.1f}",
                          f"{cu / max(bo, 1e-9):.2f}x", f"**{co / max(bo, 1e-9):.2f}x**",
                          f"{co / max(best_any, 1e-9):.2f}x", C.pct(pt["bound"]), f"{co / pt['bound']:.2f}"])
-            if FLOOR_RUN in runs:
-                fl = runs[FLOOR_RUN]
+            for f in floors:
+                fl = runs[floor_run(f)]
                 q4 = runs["conductor"]["quartiles"][-1], runs["conductor + defer"]["quartiles"][-1], fl["quartiles"][-1]
                 fa = fl["slo_attainment"]
-                flrows.append([r["workload"], *lbl, C.pct(q4[0]), C.pct(q4[1]), f"**{C.pct(q4[2])}**",
-                               "yes" if q4[2] >= q4[0] else "**no**", C.pct(co), f"**{C.pct(fa)}**",
-                               f"{100 * (fa - co):+.1f}", f"{fa / max(bo, 1e-9):.2f}x", fl.get("floor", "-")])
+                flrows.append([r["workload"], *lbl, f.removeprefix("tuned, "), C.pct(q4[0]), C.pct(q4[1]),
+                               f"**{C.pct(q4[2])}**", "yes" if q4[2] >= q4[0] else "**no**", C.pct(co),
+                               f"**{C.pct(fa)}**", f"{100 * (fa - co):+.1f}", f"{fa / max(bo, 1e-9):.2f}x",
+                               f"{fl.get('floor', '-')} / {fl.get('floor_met_slo', '-')}"])
             for label in ("conductor", "conductor + defer", "best other", "best other + defer",
-                          *([FLOOR_RUN] if FLOOR_RUN in runs else [])):
+                          *(floor_run(f) for f in floors)):
                 v = runs[label]
                 name = label.replace("best other", pt["best"])
                 frows.append([r["workload"], *lbl, name, *[C.pct(x) for x in v["quartiles"]]])
@@ -244,14 +263,16 @@ def render(results: list[dict[str, Any]], horizon: str, a: argparse.Namespace, c
     loss = C.md_table(["workload", "TTFT SLO", "load", "run", "attainment", "refused", "of which deadline",
                        "unreachable", "late TTFT", "late TBT", "waited", "waited and met the SLO", "mean wait (s)",
                        "TTFT mean (s)", "prefix hit"], lrows)
-    floor_block = "" if floor is None else f"""
-**Fairness floor** (conductor with the setting above plus the floor: **{floor}**, {', '.join(
-        f'{k}={v}' for k, v in GRID[floor].items() if k not in GRID[horizon] or GRID[horizon][k] != v)};
-chosen on the training slices, see the discussion; "{FLOOR_RUN}" in the tables below; target: its Q4 no
-lower than conductor's without deferral, its attainment at most ~1 point under conductor + defer):
+    named = "; ".join(f"**{f.removeprefix('tuned, ')}**: " + ", ".join(
+        f"{k}={v}" for k, v in GRID[f].items() if k not in GRID[horizon] or GRID[horizon][k] != v) for f in floors)
+    floor_block = "" if not floors else f"""
+**Fairness floor** (conductor with the setting above plus {named}; from the training slices, see the
+discussion; "conductor + defer + ..." in the tables below; target: Q4 no lower than conductor's without
+deferral, attainment at most ~1 point under conductor + defer; "floor dispatches": the floor's dispatches /
+those that met the SLO):
 
-{C.md_table(["workload", "TTFT SLO", "load", "Q4 conductor", "Q4 conductor + defer", "Q4 + floor",
-             "Q4 + floor >= conductor", "conductor + defer", "+ floor", "floor cost (points)",
+{C.md_table(["workload", "TTFT SLO", "load", "floor setting", "Q4 conductor", "Q4 conductor + defer",
+             "Q4 + floor", "Q4 + floor >= conductor", "conductor + defer", "+ floor", "floor cost (points)",
              "+ floor / best other", "floor dispatches"], flrows)}"""
     return f"""
 **Command** (regenerates this block and results.json):
@@ -319,8 +340,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     C.sim_arguments(p, ",".join(POINTS))
     p.add_argument("--setting", choices=list(GRID), default=None, help="skip tuning: use this setting")
-    p.add_argument("--floor-setting", choices=list(GRID), default=None,
-                   help="also evaluate conductor with this setting (the fairness floor's, tuned with --tune-only)")
+    p.add_argument("--floor-setting", action="append", choices=list(GRID), default=[],
+                   help="also evaluate conductor with this setting (a fairness floor's, tuned with --tune-only; "
+                        "repeatable; needs --setting)")
     p.add_argument("--reuse-models", action="store_true",
                    help="skip calibration (and tuning) when out/experiments/deferral/<workload> has them")
     p.add_argument("--from-results", action="store_true", help="re-render the page from its results.json")
@@ -345,26 +367,31 @@ def main() -> None:
         print(tuning_table([{"workload": x["name"], "tuning": {k: {h: q[-1] for h, q in v.items()}
                                                              for k, v in x["fairness"].items()}} for x in prepared]))
         print(f"best mean over these points: {choose(prepared)}")
+        base = "horizon 1 s, aging 0.05, scan 64, wait holder x1.5"
+        print(f"fairness floor (Q4 >= off's at the most points, then the least loss against {base}): "
+              f"{choose_floor(prepared, base)}")
         return
     if a.from_results:
         saved = json.loads((C.DOCS / PAGE / "results.json").read_text())
         results, command, horizon = saved["results"], saved["command"], saved["setting"]
-        floor = saved.get("floor_setting")
+        floors = saved.get("floor_settings", [])
         GRID.clear()
         GRID.update(saved["grid"])
     else:
-        floor = a.floor_setting
+        floors = a.floor_setting
+        if floors and a.setting is None:
+            p.error("--floor-setting needs --setting (the floor is measured against that setting)")
         if a.setting is not None:
-            for k in [k for k in GRID if k not in (a.setting, floor)]:
+            for k in [k for k in GRID if k != a.setting and k not in floors]:
                 del GRID[k]
         prepared = [prepare(n, a) for n in a.workloads.split(",")]
-        horizon = a.setting if a.setting is not None and floor is not None else choose(prepared)
+        horizon = a.setting if floors else choose(prepared)
         print(f"tuned on the training slices: {horizon}", file=sys.stderr, flush=True)
-        results, command = [evaluate(x, a, horizon, floor) for x in prepared], C.command_line()
+        results, command = [evaluate(x, a, horizon, floors) for x in prepared], C.command_line()
     C.save_json(C.DOCS / PAGE / "results.json", {"command": command, "profile": B.PROFILE, "setting": horizon,
-                                                 "floor_setting": floor, "grid": GRID, "results": results})
+                                                 "floor_settings": floors, "grid": GRID, "results": results})
     C.write_doc(C.DOCS / f"{PAGE}.md", "Deferred dispatch (late binding) at the points where 1.2x is not excluded",
-                render(results, horizon, a, command, floor), DISCUSSION, command)
+                render(results, horizon, a, command, floors), DISCUSSION, command)
     print(f"wrote {C.DOCS / PAGE}.md")
 
 
