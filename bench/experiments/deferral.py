@@ -4,6 +4,7 @@ goodput-bound.md does not exclude 1.2x (issue 15).
     .venv/bin/python bench/experiments/deferral.py [--train 1000] [--eval 1500] [--workers 2]
         [--workloads conversation,azure_code,synthetic] [--reuse-models] [--from-results]
         [--tune-only [--row SETTING ...] [--point TTFT@LOAD ...]] [--setting S [--floor-setting F ...]]
+        [--floor-only --floor-setting F ...]
 
 Per workload, as goodput_curves.py: predictors calibrated on telemetry of the *training* slice;
 the deferral setting tuned there (conductor with defer on, each setting of the grid at each of the
@@ -336,6 +337,36 @@ def load_label(name: str, load: float) -> str:
     return f"{B.SYNTH_RATE * load:g} req/s" if name == "synthetic" else f"{load:g}x"
 
 
+def floor_only(a: argparse.Namespace) -> str:
+    """Conductor with each fairness-floor setting on the evaluation slices against the page's stored
+    conductor and conductor + defer runs: attainment, Q4, the floor's cost and its dispatches."""
+    saved = json.loads((C.DOCS / PAGE / "results.json").read_text())
+    stored_runs = {(r["workload"], pt["ttft_s"], pt["load"]): pt["runs"]
+                   for r in saved["results"] for pt in r["points"]}
+    rows = []
+    for name in a.workloads.split(","):
+        spec, _, eval_w, out, mdir = B.calibrated_world(name, a, PAGE)
+        jobs = [(eval_w, spec, "conductor", load, ttft, a.slo_tbt_ms, str(mdir), f, None)
+                for ttft, load in POINTS[name] for f in a.floor_setting]
+        res = iter(_pool(jobs, a.workers))
+        for ttft, load in POINTS[name]:
+            st = stored_runs[(name, ttft, load)]
+            off, de = st["conductor"], st["conductor + defer"]
+            for f in a.floor_setting:
+                v = next(res)
+                q4 = v["quartiles"][-1]
+                rows.append([name, f"{ttft:g} s", load_label(name, load), f.removeprefix("tuned, "),
+                             C.pct(off["slo_attainment"]), C.pct(off["quartiles"][-1]), C.pct(de["slo_attainment"]),
+                             C.pct(de["quartiles"][-1]), C.pct(v["slo_attainment"]), C.pct(q4),
+                             "yes" if q4 >= off["quartiles"][-1] else "no",
+                             f"{100 * (v['slo_attainment'] - de['slo_attainment']):+.1f}",
+                             f"{v['floor']} / {v['floor_met_slo']}"])
+                print("  " + " | ".join(rows[-1]), file=sys.stderr, flush=True)
+    return C.md_table(["workload", "TTFT SLO", "load", "floor setting", "conductor", "Q4", "conductor + defer", "Q4",
+                       "+ floor", "Q4", "Q4 >= conductor's", "floor cost (points)", "floor dispatches / met SLO"],
+                      rows)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     C.sim_arguments(p, ",".join(POINTS))
@@ -352,7 +383,15 @@ def main() -> None:
                    help="with --tune-only: tune only this setting (repeatable; 'off' is always run)")
     p.add_argument("--point", action="append", default=None, metavar="TTFT@LOAD",
                    help="with --tune-only: tune at this point only (e.g. 30@12; repeatable, of each workload's points)")
+    p.add_argument("--floor-only", action="store_true",
+                   help="with --floor-setting: only conductor with those settings on the evaluation slices, printed "
+                        "against the page's results.json (its conductor runs, same calibration); no page")
     a = p.parse_args()
+    if a.floor_only:
+        if not a.floor_setting:
+            p.error("--floor-only needs --floor-setting")
+        print(floor_only(a))
+        return
     if (a.row or a.point) and not a.tune_only:
         p.error("--row and --point need --tune-only (the page's choice is over the whole grid and every point)")
     if a.tune_only:
