@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -62,6 +63,7 @@ class GatewayWaitRoom:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.pumps = 0  # pump calls (the admin view: proof it is not spinning)
+        self.pump_s = 0.0  # seconds the pumps held the event loop (the admin view: what the room costs)
 
     @property
     def enabled(self) -> bool:
@@ -124,7 +126,9 @@ class GatewayWaitRoom:
     def pump(self) -> int:
         """Decide what the room lets go now and hand each decision to its waiting request."""
         self.pumps += 1
+        t0 = time.perf_counter()
         decided = self.room.pump()
+        self.pump_s += time.perf_counter() - t0
         for lc, d in decided:
             _, fut = self._waiters.pop(lc.request_id, (None, None))
             if fut is not None and not fut.done():
@@ -177,4 +181,5 @@ class GatewayWaitRoom:
         snap["requests"] = [{"request_id": rid, "waited_s": round(w, 4), "prompt_tokens": lc.record.prompt_tokens}
                             for w, rid, lc in rows[:ADMIN_LIST]]
         snap["pumps"] = self.pumps
+        snap["pump_s"] = round(self.pump_s, 6)
         return snap

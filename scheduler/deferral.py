@@ -36,6 +36,11 @@ Rules, for any policy (``defer=on`` among its parameters, as ``cost_admission``)
   the holder's. The room, not the placement, then balances the queues, and a turn is not recomputed
   off its conversation's instance at the cost of the next arrivals' prefill capacity; the decision
   record's ``deferred.waited_for_holder`` names the holder it waited for;
+* with ``reeval_s`` > 0 (0 by default), a pump skips a waiting request evaluated less than
+  ``reeval_s`` seconds ago (its deadline and last chance still wake the room). In virtual time an
+  evaluation is free; a live gateway pays about a millisecond of its event loop for each, and with
+  ``scan`` 64 the simulator's room made ~38 per request on the live synthetic page's load (a waiter
+  re-evaluated at every pump, ~10 a second, until it left; docs/experiments/live-baselines-synthetic.md);
 * with ``last_chance`` (off by default), a waiting request is not held past its last chance:
   once its predicted TTFT behind the queue as it is leaves less than ``slack`` x its TTFT SLO of
   what remains, it is dispatched whatever the queue (shortest-job-first alone starves long
@@ -105,7 +110,8 @@ PARAM_KEYS = {"defer": "enabled", "defer_horizon_s": "horizon_s", "defer_aging":
               "defer_spill": "spill", "defer_spill_ratio": "spill_ratio",
               "defer_wait_holder": "wait_holder", "defer_holder_ratio": "holder_ratio",
               "defer_holder_fallback": "holder_fallback", "defer_floor_every": "floor_every",
-              "defer_floor_quantile": "floor_quantile", "defer_slack_aging": "slack_aging"}
+              "defer_floor_quantile": "floor_quantile", "defer_slack_aging": "slack_aging",
+              "defer_reeval_s": "reeval_s"}
 #: the reason a waiting request is refused with once its remaining SLO cannot be met
 DEADLINE = "deadline"
 #: the soonest ``next_wakeup`` puts a queue-drain wake-up (a deadline may come sooner)
@@ -143,9 +149,14 @@ class DeferParams:
     # priority = cost x (1 - waited / TTFT SLO) (- aging x waited): a waiter's own cost is forgiven as
     # its SLO runs out, so a long prompt catches up with the short ones before its deadline
     slack_aging: bool = False
+    # a pump evaluates a waiting request again only once this many seconds passed since its last
+    # evaluation (0: at every pump). Virtual time makes evaluations free; a live gateway pays ~1 ms
+    # of its event loop for each (docs/experiments/live-baselines-synthetic.md)
+    reeval_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for name, v in (("defer_horizon_s", self.horizon_s), ("defer_aging", self.aging), ("defer_slack", self.slack)):
+        for name, v in (("defer_horizon_s", self.horizon_s), ("defer_aging", self.aging), ("defer_slack", self.slack),
+                        ("defer_reeval_s", self.reeval_s)):
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"{name} must be a number >= 0, got {v!r}")
         if not (isinstance(self.holder_ratio, (int, float)) and not isinstance(self.holder_ratio, bool)
@@ -190,6 +201,7 @@ class _Waiter:
     instance: str | None = None  # the prefill instance its last evaluation chose
     due_s: float = math.inf  # its last chance: dispatched then behind the queue it was last evaluated at
     evaluations: int = 1
+    evaluated_s: float = -math.inf  # when it was last evaluated (``reeval_s`` spaces a pump's evaluations)
     held_for: str | None = None  # wait_holder: the prefix holder it last waited for rather than go elsewhere
     latest_s: float = math.inf  # the latest start behind the queue it was last evaluated at (inf: refused then)
 
@@ -274,7 +286,7 @@ class WaitRoom:
             self._matches.pop(facts.request_id, None)
             return lc.decide(facts)
         now = sched.clock()
-        w = _Waiter(lc, facts, now, slo, view.cost_s, view.floor_s, next(self._seq))
+        w = _Waiter(lc, facts, now, slo, view.cost_s, view.floor_s, next(self._seq), evaluated_s=now)
         w.update(view)
         if w.due_s <= now:  # it barely fits now: waiting could only lose it
             self._matches.pop(facts.request_id, None)
@@ -340,9 +352,12 @@ class WaitRoom:
         if sched.min_prefill_queue_s(frame=self._current_frame()) > horizon:
             return out
         misses = 0
+        fresh = now - self.params.reeval_s  # evaluated after this: not again in this pump
         # each is evaluated again even if the instance it chose last is still busy: skipping those
         # (the policy may choose another instance now) cost 1-5 points of attainment
         for w, floor_turn in self._order(now):
+            if self.params.reeval_s > 0 and w.evaluated_s > fresh:
+                continue  # (its deadline and last chance still wake the room: the heap above)
             d = self._reconsider(w, now)
             if d is not None:
                 out.append(d)
@@ -421,6 +436,7 @@ class WaitRoom:
         facts = self._remaining(w, now)
         ev = self._evaluate(facts)
         w.evaluations += 1
+        w.evaluated_s = now
         if isinstance(ev, Rejection) and ev.reason == "ttft_slo_unreachable":
             return self._expire(w, now)
         view = self._holdable(ev, w.slo)

@@ -57,6 +57,8 @@ def test_a_waiting_request_is_placed_when_the_head_finishes_and_the_pump_task_wa
         assert isinstance(d, Placement) and lc.phase is Phase.PLACED and "short" in sched.ledger
         assert len(room) == 0 and room.view()["requests"] == [] and room.view()["counts"]["dispatched"] == 1
         assert sched.decisions[-1]["deferred"]["waited_s"] == 1.0
+        view = room.view()  # what the pumps cost the event loop, beside how many there were
+        assert view["pumps"] >= 1 and view["pump_s"] > 0
         lc.finish("ok", 200)
         await room.stop()
         assert len(sched.ledger) == 0

@@ -110,9 +110,19 @@ def test_defer_params_reach_conductor_defer_and_the_wait_room_accepts_them():
     assert L.defer_params(_args("--defer")) == {"defer": "on"}
 
 
+def test_defer_b_is_conductor_defer_with_its_parameters_on_top():
+    a = _args("--defer", "--defer-param", "defer_scan=64", "--defer-b", "defer_reeval_s=0.5", "--defer-b",
+              "defer_scan=8")
+    assert L.defer_params(a) == {"defer": "on", "defer_scan": "64"}  # conductor+defer: unchanged
+    b = L.defer_params(a, "defer-b")
+    assert b == {"defer": "on", "defer_scan": "8", "defer_reeval_s": "0.5"}
+    room, rest = split_params(b)
+    assert room.enabled and room.scan == 8 and room.reeval_s == 0.5 and rest == {}
+
+
 @pytest.mark.parametrize("argv", [["--workload", "nope"], ["--speedup", "2", "--rate", "3"], ["--limit", "0"],
                                   ["--health-timeout-s", "0"], ["--defer-param", "defer_scan=64"],
-                                  ["--defer", "--defer-param", "defer_scan"],
+                                  ["--defer", "--defer-param", "defer_scan"], ["--defer-b", "defer_reeval_s=0.5"],
                                   ["--rivals", "conductor"]])
 def test_bad_options_exit_before_any_load(argv, capsys):
     with pytest.raises(SystemExit) as e:

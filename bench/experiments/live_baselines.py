@@ -131,7 +131,7 @@ def run_slo(policies: list[str], ttft_ms: float, w: LiveWorkload, a: argparse.Na
             proc, url = C.start_gateway(cfg_dir, f"{policy}-{ttft_ms:g}", policy=base, store=False, admission=True,
                                         extra=health_config(a),
                                         prefill=a.prefill, decode=a.decode, ttft_ms=ttft_ms, tbt_ms=a.slo_tbt_ms,
-                                        policy_params=defer_params(a) if variant == "defer" else None)
+                                        policy_params=defer_params(a, variant) if variant else None)
             procs.append(proc)
             urls.append(url)
         out = C.OUT / w.page / f"ttft-{ttft_ms:g}"
@@ -162,7 +162,7 @@ def target_rows(policies: list[str], summary: dict[str, Any]) -> tuple[list[dict
                     "hit_ratio": [s["cached_tokens"]["hit_ratio"] for s in steps],
                     "ttft_p50_s": [s["ttft_s"]["p50"] for s in steps],
                     "goodput_rps": [s["goodput_rps"] for s in steps]})
-    ours = {"conductor", "conductor+defer"}
+    ours = {"conductor", "conductor+defer", "conductor+defer-b"}
     best_rival = max((p for p in per if p["policy"] not in ours), key=lambda p: C.mean(p["attainment"]) or 0.0)
     for p in per:
         m = C.mean(p["attainment"]) or 0.0
@@ -200,15 +200,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--defer-param", action="append", type=key_value, default=[], metavar="KEY=VALUE",
                    help="with --defer: a further policy parameter of conductor+defer (repeatable), e.g. the setting "
                         "tuned in deferral.md: defer_scan=64 defer_aging=0.05 defer_wait_holder=on")
+    p.add_argument("--defer-b", action="append", type=key_value, default=[], metavar="KEY=VALUE",
+                   help="with --defer: also run conductor+defer-b, conductor+defer with this parameter on top "
+                        "(repeatable): an A/B of a deferral setting in the same run, e.g. defer_reeval_s=0.5")
     p.add_argument("--health-timeout-s", type=float,
                    help="every gateway's health_timeout_s (default: the gateway's 0.8 s); on a crowded machine "
                         "a starved engine misses two probes and is ejected with its requests in progress")
     return p
 
 
-def defer_params(a: argparse.Namespace) -> dict[str, str]:
-    """conductor+defer's policy parameters: deferred dispatch on, plus ``--defer-param``s."""
-    return {"defer": "on", **dict(a.defer_param)}
+def defer_params(a: argparse.Namespace, variant: str = "defer") -> dict[str, str]:
+    """conductor+defer's policy parameters: deferred dispatch on, plus ``--defer-param``s (and for
+    conductor+defer-b its ``--defer-b``s on top)."""
+    return {"defer": "on", **dict(a.defer_param), **(dict(a.defer_b) if variant == "defer-b" else {})}
 
 
 def errors_note(per: list[dict[str, Any]]) -> str:
@@ -222,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     w = WORKLOADS[a.workload]
     rivals = w.rivals if a.rivals is None else a.rivals
-    policies = ["conductor", *(["conductor+defer"] if a.defer else []),
+    policies = ["conductor", *(["conductor+defer"] if a.defer else []), *(["conductor+defer-b"] if a.defer_b else []),
                 *[x.strip() for x in rivals.split(",") if x.strip()]]
     try:
         slos = [float(x) for x in a.slo_ttft_ms.split(",") if x.strip()]
@@ -230,8 +234,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--slo-ttft-ms: expected comma-separated milliseconds, got {a.slo_ttft_ms!r}")
     if len(set(policies)) != len(policies) or not slos:
         p.error("--rivals: conductor and each rival once; --slo-ttft-ms: at least one value")
-    if a.defer_param and not a.defer:
-        p.error("--defer-param needs --defer")
+    if (a.defer_param or a.defer_b) and not a.defer:
+        p.error("--defer-param and --defer-b need --defer")
     if any(v is not None and not v > 0 for v in (a.limit, a.speedup, a.rate, a.health_timeout_s)):
         p.error("--limit, --speedup, --rate and --health-timeout-s must be > 0")
     cfg_dir = C.OUT / w.page / "gateways"
@@ -264,6 +268,9 @@ def write_page(w: LiveWorkload, a: argparse.Namespace, results: dict[str, Any], 
     if a.defer_param:
         about += ("conductor+defer runs with `" + " ".join(f"{k}={v}" for k, v in defer_params(a).items())
                   + "` (`--policy-param`s).\n")
+    if a.defer_b:
+        about += ("conductor+defer-b runs with conductor+defer's parameters plus `"
+                  + " ".join(f"{k}={v}" for k, v in dict(a.defer_b).items()) + "`.\n")
     if a.health_timeout_s is not None:
         about += (f"Every gateway probes its engines' health with a {a.health_timeout_s:g} s timeout (the default "
                   "0.8 s ejected a CPU-starved engine with its requests in progress).\n")
