@@ -225,19 +225,18 @@ def render(results: list[dict[str, Any]], headroom: dict[str, float], a: argpars
 {command}
 ```
 
-**Setup.** As [goodput-curves.md](goodput-curves.md): {a.prefill}P+{a.decode}D `{B.PROFILE}`,
-TBT <= {a.slo_tbt_ms:g} ms, every policy admitting against the SLO with the same learned predictors
-(calibrated here again on telemetry of conductor with the analytic prior replaying the first
-{results[0]['train']} requests of each trace, the synthetic generator with seed 1), evaluated on the next
-{results[0]['eval']} (seed 0). "least-work H" = conductor with `least_work_headroom=H`
-(scheduler/policies/conductor_leastwork.py): among the prefill candidates whose predicted TTFT is
-within H x the request's (remaining) TTFT SLO, the one adding the least transfer + prefill wins; none
-within it, the lowest score as without the rule. H tuned on the *training* slices (the nonzero grid
-value with the best mean attainment over every point): without deferral **{headroom['no defer']:g}**, with
-it **{headroom['defer']:g}**. "+ defer" = deferred dispatch with the setting tuned in
-[deferral.md](deferral.md): {', '.join(f'{k}={v}' for k, v in D.defer_params(DEFER).items())}. Baselines
-(no deferral): {'; '.join(f"{k}: {', '.join(BASELINES[k])}" for k in POINTS)}; "best other" = the best of
-them at that point. Prefix hit = cached / prompt tokens of completed requests; reuse bound = one global
+**Setup.** Cluster, SLOs, slices and predictors as [deferral.md](deferral.md) ({a.prefill}P+{a.decode}D
+`{B.PROFILE}`, TBT <= {a.slo_tbt_ms:g} ms, learned predictors calibrated here again on the first
+{results[0]['train']} requests, evaluated on the next {results[0]['eval']}).
+"least-work H" = conductor with `least_work_headroom=H` (scheduler/policies/conductor_leastwork.py):
+among the prefill candidates whose predicted TTFT is within H x the request's (remaining) TTFT SLO,
+the one adding the least transfer + prefill wins; none within it, the lowest score as without the
+rule. H tuned on the *training* slices (the nonzero grid value with the best mean attainment over
+every point): without deferral **{headroom['no defer']:g}**, with it **{headroom['defer']:g}**.
+"+ defer" = deferred dispatch with the setting tuned in [deferral.md](deferral.md):
+{', '.join(f'{k}={v}' for k, v in D.defer_params(DEFER).items())}. Baselines (no deferral):
+{'; '.join(f"{k}: {', '.join(BASELINES[k])}" for k in POINTS)}; "best other" = the best of them at that
+point. Prefix hit = cached / prompt tokens of completed requests; reuse bound = one global
 LRU of the prefill instances' KV over the evaluation slice: {bounds}.
 
 **SLO attainment** (ratio to the best other policy's at equal offered load = goodput ratio):
