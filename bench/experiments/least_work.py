@@ -111,16 +111,41 @@ def choose(prepared: list[dict[str, Any]], mode: str) -> float:
     return max(HEADROOMS, key=lambda h: (round(score[h], 6), -h))
 
 
-def paired_hit(mine: list[RequestRecord], other: list[RequestRecord]) -> tuple[int, float, float]:
+Outcome = tuple[str, str, int, int]  # request id (without the run's prefix), status, cached tokens, prompt tokens
+
+
+def outcomes(recs: list[RequestRecord]) -> list[Outcome]:
+    return [(r.request_id.rsplit("-", 1)[-1], r.status, r.cached_tokens or 0, r.prompt_tokens) for r in recs]
+
+
+def outcomes_of_run(run_dir: Path) -> list[Outcome]:
+    """The same, read back from a run's requests.jsonl."""
+    with open(run_dir / "requests.jsonl") as f:
+        rs = [json.loads(line) for line in f]
+    return [(r["request_id"].rsplit("-", 1)[-1], r["status"], r["cached_tokens"] or 0, r["prompt_tokens"]) for r in rs]
+
+
+def paired_hit(mine: list[Outcome], other: list[Outcome]) -> tuple[int, float, float]:
     """Prefix hit of two runs over the requests both completed: (count, mine, other)."""
-    def by_id(recs: list[RequestRecord]) -> dict[str, RequestRecord]:
-        return {r.request_id.rsplit("-", 1)[-1]: r for r in recs if r.status == "ok"}
-    a, b = by_id(mine), by_id(other)
+    a = {o[0]: o for o in mine if o[1] == "ok"}
+    b = {o[0]: o for o in other if o[1] == "ok"}
     both = [k for k in a if k in b]
 
-    def hit(rs: list[RequestRecord]) -> float:
-        return sum(r.cached_tokens or 0 for r in rs) / max(1, sum(r.prompt_tokens for r in rs))
+    def hit(os_: list[Outcome]) -> float:
+        return sum(o[2] for o in os_) / max(1, sum(o[3] for o in os_))
     return len(both), hit([a[k] for k in both]), hit([b[k] for k in both])
+
+
+def reach_runs(h: float | None) -> dict[str, dict[str, Any]]:
+    """Label -> settings of the untuned headroom run beside the tuned ones (--reach), off and on deferral."""
+    if h is None:
+        return {}
+    return {f"conductor least-work {h:g} untuned{'' if d is None else ' + defer'}": {"h": h, "defer": d}
+            for d in MODES.values()}
+
+
+def slug(label: str) -> str:
+    return label.replace(" + ", "-").replace(" ", "-")
 
 
 def conductor_runs(headroom: dict[str, float]) -> dict[str, dict[str, Any]]:
@@ -147,34 +172,51 @@ def evaluate(p: dict[str, Any], a: argparse.Namespace, headroom: dict[str, float
         out = p["out"] / f"ttft{ttft:g}-{load:g}"
         cache, key = out / "point.json", {"headroom": headroom, "baselines": BASELINES[name], "eval": len(w.requests)}
         if a.reuse_models and cache.exists() and json.loads(cache.read_text())["key"] == key:
-            points.append(json.loads(cache.read_text())["point"])
-            continue
-        jobs, keys = [], []
-        for pol in BASELINES[name]:
-            jobs.append((w, spec, pol, load, ttft, a.slo_tbt_ms, mdir, {}, str(out / pol)))
-            keys.append(pol)
-        for label, v in mine.items():
-            jobs.append((w, spec, "conductor", load, ttft, a.slo_tbt_ms, mdir, params(v["h"], v["defer"]),
-                         str(out / label.replace(" + ", "-").replace(" ", "-"))))
-            keys.append(label)
-        res = dict(zip(keys, _pool(jobs, a.workers), strict=True))
-        runs = {k: s for k, (s, _) in res.items()}
-        others = {k: v for k, v in runs.items() if not k.startswith("conductor")}
-        best = max(others, key=lambda k: others[k]["slo_attainment"] or 0)
-        best_hit = max(others, key=lambda k: others[k]["hit_ratio"] or 0)
-        paired = {label: list(paired_hit(res[label][1], res[best_hit][1])) for label in mine}
-        pt = {"ttft_s": ttft, "load": load, "best": best, "best_hit": best_hit, "runs": runs, "paired": paired}
-        C.save_json(cache, {"key": key, "point": pt})
+            pt = json.loads(cache.read_text())["point"]
+        else:
+            pt = run_point(p, a, ttft, load, mine)
+            C.save_json(cache, {"key": key, "point": pt})
+        missing = {k: v for k, v in reach_runs(a.reach).items() if k not in pt["runs"]}
+        for label, v in missing.items():  # an untuned headroom beside the tuned ones, kept in the same file
+            s, recs = _run((w, spec, "conductor", load, ttft, a.slo_tbt_ms, mdir, params(v["h"], v["defer"]),
+                            str(out / slug(label))))
+            pt["runs"][label] = s
+            pt["paired"][label] = list(paired_hit(outcomes(recs), outcomes_of_run(out / pt["best_hit"])))
+        if missing:
+            C.save_json(cache, {"key": key, "point": pt})
         points.append(pt)
         print(f"  {name} {ttft:g}s {load:g}: " + ", ".join(
-            f"{k} {v['slo_attainment']:.3f}/{v['hit_ratio']:.3f}" for k, v in runs.items()),
+            f"{k} {v['slo_attainment']:.3f}/{v['hit_ratio']:.3f}" for k, v in pt["runs"].items()),
             file=sys.stderr, flush=True)
     return {"workload": name, "train": p["train"], "eval": len(w.requests), "tuning": p["tuning"],
             "reuse_bound": bound, "points": points}
 
 
+def run_point(p: dict[str, Any], a: argparse.Namespace, ttft: float, load: float,
+              mine: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The baselines and conductor's runs at one point: summaries, best others, paired hits."""
+    name, w, spec, mdir = p["name"], p["eval_w"], p["spec"], p["model_dir"]
+    out = p["out"] / f"ttft{ttft:g}-{load:g}"
+    jobs, keys = [], []
+    for pol in BASELINES[name]:
+        jobs.append((w, spec, pol, load, ttft, a.slo_tbt_ms, mdir, {}, str(out / pol)))
+        keys.append(pol)
+    for label, v in mine.items():
+        jobs.append((w, spec, "conductor", load, ttft, a.slo_tbt_ms, mdir, params(v["h"], v["defer"]),
+                     str(out / slug(label))))
+        keys.append(label)
+    res = dict(zip(keys, _pool(jobs, a.workers), strict=True))
+    runs = {k: s for k, (s, _) in res.items()}
+    others = {k: v for k, v in runs.items() if not k.startswith("conductor")}
+    best = max(others, key=lambda k: others[k]["slo_attainment"] or 0)
+    best_hit = max(others, key=lambda k: others[k]["hit_ratio"] or 0)
+    paired = {label: list(paired_hit(outcomes(res[label][1]), outcomes(res[best_hit][1]))) for label in mine}
+    return {"ttft_s": ttft, "load": load, "best": best, "best_hit": best_hit, "runs": runs, "paired": paired}
+
+
 def render(results: list[dict[str, Any]], headroom: dict[str, float], a: argparse.Namespace, command: str) -> str:
-    mine = list(conductor_runs(headroom))
+    runs0 = [pt["runs"] for r in results for pt in r["points"]]  # the conductor runs every point has
+    mine = [k for k in runs0[0] if k.startswith("conductor") and all(k in x for x in runs0)]
     rows, hrows, srows = [], [], []
     for r in results:
         lru = r["reuse_bound"]["lru_hit_ratio"]
@@ -218,6 +260,9 @@ def render(results: list[dict[str, Any]], headroom: dict[str, float], a: argpars
                            + C.md_table(["run", "SLO attainment", "TTFT mean (s)", "prefix hit", "refused",
                                          "unreachable", "late TTFT", "late TBT"], d))
     bounds = "; ".join(f"{r['workload']} {C.pct(r['reuse_bound']['lru_hit_ratio'])}" for r in results)
+    untuned = [k for k in mine if "untuned" in k]
+    reach = (f" Beside them, untuned ({', '.join(untuned)}): the rule at a headroom with reach, its training "
+             "rows in the tuning table." if untuned else "")
     return f"""
 **Command** (regenerates this block and results.json):
 
@@ -237,7 +282,7 @@ every point): without deferral **{headroom['no defer']:g}**, with it **{headroom
 {', '.join(f'{k}={v}' for k, v in D.defer_params(DEFER).items())}. Baselines (no deferral):
 {'; '.join(f"{k}: {', '.join(BASELINES[k])}" for k in POINTS)}; "best other" = the best of them at that
 point. Prefix hit = cached / prompt tokens of completed requests; reuse bound = one global
-LRU of the prefill instances' KV over the evaluation slice: {bounds}.
+LRU of the prefill instances' KV over the evaluation slice: {bounds}.{reach}
 
 **SLO attainment** (ratio to the best other policy's at equal offered load = goodput ratio):
 
@@ -265,6 +310,8 @@ def main() -> None:
     p.add_argument("--points", type=lambda v: v.split(","), default=None,
                    help="evaluate only these WORKLOAD:TTFT:LOAD points (e.g. conversation:5:3); the page shows "
                         "only the points evaluated")
+    p.add_argument("--reach", type=float, default=None,
+                   help="also run this untuned headroom (with and without deferral) at each point")
     p.add_argument("--from-results", action="store_true", help="re-render the page from its results.json")
     a = p.parse_args()
     if a.from_results:
