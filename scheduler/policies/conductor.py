@@ -29,7 +29,8 @@ replicate. The decode instance balances load: the lowest predicted TBT once this
   scheduler/policies/conductor_leastwork.py): among the candidates predicted to meet
   headroom x the TTFT SLO, the one adding the least transfer + prefill wins, so a request that
   meets its SLO comfortably either way stays on its prefix and spends the least capacity
-  (docs/experiments/least-work.md).
+  (docs/experiments/least-work.md). Tuned on the training slices no headroom beats it off, and
+  a wide one loses attainment without raising the hit; so it stays off.
 """
 from __future__ import annotations
 
