@@ -24,7 +24,13 @@ replicate. The decode instance balances load: the lowest predicted TBT once this
   prefill capacity, the cheapest prefills are admitted first (docs/experiments/overload-admission.md);
 * near-tie affinity (``affinity_margin_s`` / ``affinity_margin_rel``, opt-in,
   scheduler/policies/conductor_affinity.py): within the margin of the lowest score the holder of
-  the longest prefix wins; measured without effect (docs/experiments/goodput-curves.md).
+  the longest prefix wins; measured without effect (docs/experiments/goodput-curves.md);
+* least work within SLO headroom (``least_work_headroom``, opt-in,
+  scheduler/policies/conductor_leastwork.py): among the candidates predicted to meet
+  headroom x the TTFT SLO, the one adding the least transfer + prefill wins, so a request that
+  meets its SLO comfortably either way stays on its prefix and spends the least capacity
+  (docs/experiments/least-work.md). Tuned on the training slices no headroom beats it off, and
+  a wide one loses attainment without raising the hit; so it stays off.
 """
 from __future__ import annotations
 
@@ -35,6 +41,7 @@ from predictors.types import Role, Tier
 from scheduler.cost import DecisionContext, DecodeCandidate, PrefillCandidate, Terms
 from scheduler.policies.base import DecodeChoice, Policy, PrefillChoice, argmin_scored, runner_up
 from scheduler.policies.conductor_affinity import near_tie_holder
+from scheduler.policies.conductor_leastwork import least_work_within_headroom
 
 
 @dataclass(frozen=True)
@@ -60,6 +67,13 @@ class ConductorParams:
     # never wins this way (scheduler/policies/conductor_affinity.py)
     affinity_margin_s: float = 0.0
     affinity_margin_rel: float = 0.0
+    # least work within SLO headroom (departs from Algorithm 1; 0: off): among the candidates whose
+    # predicted TTFT is within least_work_headroom x the request's (remaining, admitted share of the)
+    # TTFT SLO, the one adding the least work (transfer + prefill: the most reused) wins, then the
+    # lower TTFT; none within it, or no TTFT SLO: the lowest score as without it. Decided before the
+    # near-tie affinity, which only applies when this rule keeps the lowest score
+    # (scheduler/policies/conductor_leastwork.py)
+    least_work_headroom: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.balancing_threshold > 0:
@@ -68,6 +82,8 @@ class ConductorParams:
             raise ValueError("work_weight must be >= 0")
         if self.affinity_margin_s < 0 or self.affinity_margin_rel < 0:
             raise ValueError("affinity_margin_s and affinity_margin_rel must be >= 0")
+        if not 0 <= self.least_work_headroom <= 1:
+            raise ValueError("least_work_headroom must be in [0, 1] (a share of the TTFT SLO; 0: off)")
 
 
 class ConductorPolicy(Policy):
@@ -126,7 +142,12 @@ class ConductorPolicy(Policy):
         winner = argmin_scored(ctx.prefill, list(scores.values()), _queued_tokens, ctx.rng)
         why = f"lowest predicted TTFT {scores[winner.id]:.4g}s{runner_up(scores, winner.id)}"
         p = self.params
-        if p.affinity_margin_s > 0 or p.affinity_margin_rel > 0:
+        least_work = None
+        if p.least_work_headroom > 0:
+            least_work = least_work_within_headroom(ctx, winner, rows, kv_est, p.least_work_headroom)
+            if least_work is not None:
+                winner, why = least_work
+        if least_work is None and (p.affinity_margin_s > 0 or p.affinity_margin_rel > 0):
             holder_pick = near_tie_holder(ctx, winner, scores, rows, kv_est, p.affinity_margin_s,
                                           p.affinity_margin_rel)
             if holder_pick is not None:
