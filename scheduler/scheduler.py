@@ -19,7 +19,7 @@ from predictors.telemetry import SLO
 from predictors.types import Role
 from scheduler import stages
 from scheduler.admission import check_headroom
-from scheduler.deferral import DeferParams, split_params as split_defer
+from scheduler.deferral_params import DeferParams, split_params as split_defer
 from scheduler.explain import bare_record, request_labels
 from scheduler.frame import LoadFrame
 from scheduler.hit_index import HitIndex
