@@ -2,11 +2,11 @@
 
 Builds bench/decision_latency.py's world (``--quick``: 100k blocks), decides its request stream
 with the decision log already full (so each record kept replaces one dropped, as in a gateway
-that has run a while), and prints one JSON line: per stage (validate, eligible, cache facts,
-terms, choice, admission, commit; ``_record`` and ``_decode_candidates`` inside them) the mean
-thread-CPU milliseconds per decision and its share; the decision's CPU p50/p99; and the
-collections per generation with their total and largest CPU milliseconds. Stage shares, not
-absolute times, are what to compare on a shared machine.
+that has run a while), and prints one JSON line: per stage of scheduler/stages.py (validate,
+eligible, cache facts, terms, choice, admission, commit; ``decision_record`` and
+``decode_candidates`` inside them) the mean thread-CPU milliseconds per decision and its share;
+the decision's CPU p50/p99; and the collections per generation with their total and largest CPU
+milliseconds. Stage shares, not absolute times, are what to compare on a shared machine.
 
 Run: ``.venv/bin/python bench/decision_stages.py [--quick] [--predictors analytic | learned DIR | constant]``
 """
@@ -25,10 +25,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import decision_latency as dl  # noqa: E402
 
-from scheduler.scheduler import Scheduler  # noqa: E402
+from scheduler import stages  # noqa: E402
 
-STAGES = ("_validate", "_eligible", "_cache_facts", "_terms", "_decode_candidates", "_choose", "_kv_waits", "_admit",
-          "_record", "_commit")
+#: the stage functions of scheduler/stages.py, looked up there at call time (so each is timed)
+STAGES = ("_validate", "_eligible", "_cache_facts", "_terms", "decode_candidates", "_choose", "_kv_waits", "_admit",
+          "decision_record", "_commit")
 
 
 def timed(spent: dict[str, int], name: str, f: Callable[..., Any]) -> Callable[..., Any]:
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     dl.run(sched, world, (next(reqs) for _ in range(1500)), warmup=1500)  # the decision log (1000) is full
     spent: dict[str, int] = {}
     for name in STAGES:
-        setattr(Scheduler, name, timed(spent, name, getattr(Scheduler, name)))
+        setattr(stages, name, timed(spent, name, getattr(stages, name)))
     collections: dict[int, list[int]] = {0: [], 1: [], 2: []}
     started = [0]
 

@@ -125,7 +125,7 @@ class TermBook:
 class DecisionContext:
     """The blackboard one decision's stages fill in order; policies read it, never write it.
 
-    Stages (scheduler.scheduler): eligible candidates (``prefill_pool``/``decode_pool``) ->
+    Stages (scheduler.stages): eligible candidates (``prefill_pool``/``decode_pool``) ->
     cache facts (``match``, ``store_blocks``, best holder) -> terms (``prefill`` and ``decode``
     candidates with their predicted terms) -> choice (the policy) -> admission -> commit.
     """

@@ -12,9 +12,12 @@ the Dynamo way, one line per candidate with every term.
 from __future__ import annotations
 
 from operator import attrgetter
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
-from scheduler.cost import DecodeCandidate, PrefillCandidate, Terms
+from scheduler.cost import DecisionContext, DecodeCandidate, PrefillCandidate, Terms
+
+if TYPE_CHECKING:
+    from scheduler.stages import Choice
 
 #: A prefill candidate served the way the policy evaluated it. ``ttft_s`` is transfer + queue +
 #: prefill, before the prefill->decode shipment (added once the decode instance is known).
@@ -230,6 +233,47 @@ def bare_record(request_id: Any, policy: str, now: float, reason: str, message: 
     return {"request_id": request_id, "policy": policy, "time_s": now, "outcome": "rejected",
             "reason": reason, "message": message, "prefill": table(PREFILL_COLUMNS, []),
             "decode": table(DECODE_COLUMNS, [])}
+
+
+def decision_record(ctx: DecisionContext, ch: Choice, policy: str, score: str, admission: bool,
+                    early_rejection: bool, commit: bool = True) -> dict[str, Any]:
+    """A weighed decision's record: both tables, the chosen pair's terms, why, and any verdicts."""
+    pc, d, terms, slo, violations = ch.prefill, ch.decode, ch.prefill.terms, ch.slo, ch.violations
+    rows = pc.rows or {}
+    scores = pc.scores
+    # an evaluation's record is read once, if at all (the wait room): its tables wait until then
+    tables = (prefill_table(ctx.prefill, rows, scores), decode_table(ctx.decode, ch.decode_scores)) if commit \
+        else deferred_tables(ctx.prefill, rows, scores, ctx.decode, ch.decode_scores)
+    replication = None
+    if terms.transfer_from is not None and terms.transfer_tokens > 0:
+        replication = {"source": terms.transfer_from, "destination": pc.candidate.id,
+                       "tokens": terms.transfer_tokens,
+                       "blocks": [pc.candidate.local_blocks, terms.hit_tokens // ctx.block_size]}
+    return {
+        "request_id": ctx.facts.request_id, "policy": policy, "score": score,
+        "time_s": ctx.now, "outcome": "rejected" if violations and admission else "placed",
+        "admission": admission,
+        "prompt_tokens": ctx.facts.prompt_tokens, "max_tokens": ctx.facts.max_tokens,
+        "slo": {"ttft_s": slo.ttft_s, "tbt_s": slo.tbt_s}, "early_rejection": early_rejection,
+        **request_labels(ctx.facts, ctx.admit_fraction),
+        "store_hit_tokens": ctx.store_blocks * ctx.block_size,
+        "best_holder": {"id": ctx.holder, "hit_tokens": ctx.holder_blocks * ctx.block_size},
+        "prefill": tables[0],
+        "decode": tables[1],
+        "chosen": {"prefill": pc.candidate.id, "decode": d.id},
+        "terms": {"hit_tokens": terms.hit_tokens, "local_hit_tokens": terms.local_hit_tokens,
+                  "transfer_tokens": terms.transfer_tokens, "transfer_from": terms.transfer_from,
+                  "transfer_s": terms.transfer_s, "queue_s": pc.candidate.queue_s, "prefill_s": terms.prefill_s,
+                  "decode_wait_s": ch.decode_wait_s, "kv_transfer_s": ch.kv_s,
+                  "decode_first_step_s": ch.first_step_s, "ttft_s": ch.ttft,
+                  "tbt_s": d.tbt_s},
+        "why": {"prefill": pc.why, "decode": ch.decode_why, **({"extra": pc.extra} if pc.extra else {})},
+        "replication": replication,
+        "reason": violations[0].reason if violations else None,
+        "violations": [{"reason": v.reason, "message": v.message, "retry_after_s": v.retry_after_s}
+                       for v in violations],
+        **({"overload": ch.overload} if ch.overload is not None else {}),
+    }
 
 
 def format_lines(record: dict[str, Any]) -> list[str]:

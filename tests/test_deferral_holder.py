@@ -131,8 +131,8 @@ def _stream(wait_holder: bool | None) -> tuple[list[str], int]:
 def test_off_decides_byte_identically(monkeypatch):
     on, held = _stream(True)
     assert held > 0  # the stream does send requests off busy holders
-    import scheduler.deferral as deferral
-    monkeypatch.setattr(deferral, "_wait_for_holder", lambda *a: pytest.fail("wait_holder ran while off"))
+    import scheduler.deferral_waiter as deferral_waiter
+    monkeypatch.setattr(deferral_waiter, "_wait_for_holder", lambda *a: pytest.fail("wait_holder ran while off"))
     off, none = _stream(False)
     assert none == 0 and off != on
     assert off == _stream(None)[0]  # off is the default
