@@ -106,8 +106,14 @@ def follow_up_stats(run_dir: Path, follow: dict[str, str], slo: SLO) -> dict[str
     new = [k for k in rs if k not in follow]
     pairs = [(rs[k], rs[follow[k]]) for k in fu if follow[k] in rs and rs[k].status == "ok"
              and rs[follow[k]].status == "ok"]
+    mean = C.mean
     return {"follow_ups": len(fu), "follow_met": sum(met[k] for k in fu) / max(1, len(fu)),
             "new": len(new), "new_met": sum(met[k] for k in new) / max(1, len(new)),
+            "follow_refused": sum(rs[k].status == "rejected" for k in fu) / max(1, len(fu)),
+            "pulled": sum(bool(r.transfer_tokens) for r in recs if r.status == "ok"),
+            "follow_ttft": mean([rs[k].ttft_s for k in fu if rs[k].status == "ok"]),
+            "new_ttft": mean([rs[k].ttft_s for k in new if rs[k].status == "ok"]),
+            "new_queue": mean([rs[k].predicted_queue_s for k in new if rs[k].status == "ok"]),
             "same_instance": sum(a.prefill_instance == b.prefill_instance for a, b in pairs) / max(1, len(pairs)),
             "pairs": len(pairs)}
 
@@ -158,9 +164,9 @@ def evaluate(p: dict[str, Any], a: argparse.Namespace, setting: dict[str, str]) 
         else:
             pt = L.run_point(p, a, ttft, load, {k: params(v["setting"], v["defer"]) for k, v in mine.items()},
                              BASELINES[name])
-            slo = SLO(ttft, a.slo_tbt_ms / 1000)
-            pt["follow"] = {k: follow_up_stats(out / L.slug(k), follow, slo) for k in pt["runs"]}
             C.save_json(cache, {"key": key, "point": pt})
+        slo = SLO(ttft, a.slo_tbt_ms / 1000)  # read from the runs' records (full outputs) each time
+        pt["follow"] = {k: follow_up_stats(out / L.slug(k), follow, slo) for k in pt["runs"]}
         points.append(pt)
         print(f"  {name} {ttft:g}s {load:g}: " + ", ".join(
             f"{k} {v['slo_attainment']:.3f}/{v['hit_ratio']:.3f}" for k, v in pt["runs"].items()),
@@ -178,10 +184,14 @@ def render(results: list[dict[str, Any]], setting: dict[str, str], a: argparse.N
             for k, f in pt["follow"].items():
                 frows.append([r["workload"], *lbl, f"**{k}**" if k.startswith("conductor") else k,
                               f"{C.pct(f['follow_met'])} (n {f['follow_ups']})",
-                              f"{C.pct(f['new_met'])} (n {f['new']})",
-                              f"{C.pct(f['same_instance'])} (n {f['pairs']})"])
-    follow = C.md_table(["workload", "TTFT SLO", "load", "run", "follow-ups meeting the SLO", "new requests meeting it",
-                         "follow-ups on their earlier request's instance"], frows)
+                              C.pct(f["follow_refused"]), f"{C.pct(f['new_met'])} (n {f['new']})",
+                              f"{C.pct(f['same_instance'])} (n {f['pairs']})",
+                              C.sec(f["follow_ttft"]), C.sec(f["new_ttft"]), C.sec(f["new_queue"]), f["pulled"]])
+    follow = C.md_table(["workload", "TTFT SLO", "load", "run", "follow-ups meeting the SLO", "follow-ups refused",
+                         "new requests meeting it",
+                         "follow-ups on their earlier request's instance", "TTFT mean (s), follow-ups",
+                         "TTFT mean (s), new", "predicted queue mean (s), new",
+                         "completed requests that pulled a prefix"], frows)
 
     def mean(mode: str, g: str) -> float:
         return 100 * statistics.mean(row[g]["slo_attainment"] for r in results for row in r["tuning"][mode].values())
@@ -225,7 +235,8 @@ prefill instances' KV over the evaluation slice: {bounds}. A follow-up = a reque
 
 {paired}
 **Follow-ups** (the evaluation runs; an earlier request's instance: where the request it continues was
-prefilled, both completed):
+prefilled, both completed; means over completed requests; predicted queue: at the decision, on the
+chosen instance):
 
 {follow}
 **Tuning** (conductor on the *training* slice; attainment / prefix hit):
