@@ -21,7 +21,7 @@ import statistics
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import _common as C
 import baselines as B
@@ -79,28 +79,39 @@ def _pool(jobs: list[tuple[Any, ...]], workers: int) -> list[tuple[dict[str, Any
 
 def prepare(name: str, a: argparse.Namespace) -> dict[str, Any]:
     spec, train_w, eval_w, out, model_dir = B.calibrated_world(name, a, PAGE)
-    cache = out / "tuning.json"
-    key = json.loads(json.dumps({"grid": HEADROOMS, "modes": MODES, "points": POINTS[name],
-                                 "train": len(train_w.requests)}))
-    tuning: dict[str, Any] = {}
-    if a.reuse_models and cache.exists() and json.loads(cache.read_text())["key"] == key:
-        tuning = json.loads(cache.read_text())["tuning"]
-    if not tuning and a.headroom is None:
-        grid = [0.0, *HEADROOMS]
-        jobs = [(train_w, spec, "conductor", load, ttft, a.slo_tbt_ms, str(model_dir), params(h, d), None)
-                for mode, d in MODES.items() for ttft, load in POINTS[name] for h in grid]
-        res = iter(_pool(jobs, a.workers))
-        for mode in MODES:
-            for ttft, load in POINTS[name]:
-                row = {f"{h:g}": {"slo_attainment": s["slo_attainment"], "hit_ratio": s["hit_ratio"]}
-                       for h in grid for s, _ in [next(res)]}
-                tuning.setdefault(mode, {})[f"{ttft:g}@{load:g}"] = row
-                print(f"  tune {name} {mode} {ttft:g}s {load:g}: "
-                      + ", ".join(f"{k} {v['slo_attainment']:.3f}/{v['hit_ratio']:.3f}" for k, v in row.items()),
-                      file=sys.stderr, flush=True)
-        C.save_json(cache, {"key": key, "tuning": tuning})
+    tuning = tune(name, a, train_w, spec, str(model_dir), out / "tuning.json", POINTS[name],
+                  [f"{h:g}" for h in [0.0, *HEADROOMS]], lambda h, d: params(float(h), d), {"grid": HEADROOMS},
+                  a.headroom is None)
     return {"name": name, "spec": spec, "eval_w": eval_w, "model_dir": str(model_dir), "tuning": tuning, "out": out,
             "train": len(train_w.requests)}
+
+
+def tune(name: str, a: argparse.Namespace, train_w: Any, spec: Any, model_dir: str, cache: Path,
+         points: list[tuple[float, float]], labels: list[str], job_params: Callable[[str, str | None], dict[str, Any]],
+         grid_key: dict[str, Any], run: bool) -> dict[str, Any]:
+    """Conductor on the training slice at every point with each setting ``labels`` names (its
+    policy parameters: ``job_params(label, deferral setting)``), deferral off and on: mode ->
+    point -> label -> attainment and hit. Kept in ``cache``, reused by --reuse-models when made by
+    the same grid; nothing run when not cached and ``run`` is False."""
+    key = json.loads(json.dumps({**grid_key, "modes": MODES, "points": points, "train": len(train_w.requests)}))
+    if a.reuse_models and cache.exists() and json.loads(cache.read_text())["key"] == key:
+        return dict(json.loads(cache.read_text())["tuning"])
+    tuning: dict[str, Any] = {}
+    if not run:
+        return tuning
+    jobs = [(train_w, spec, "conductor", load, ttft, a.slo_tbt_ms, model_dir, job_params(g, d), None)
+            for d in MODES.values() for ttft, load in points for g in labels]
+    res = iter(_pool(jobs, a.workers))
+    for mode in MODES:
+        for ttft, load in points:
+            row = {g: {"slo_attainment": s["slo_attainment"], "hit_ratio": s["hit_ratio"]}
+                   for g in labels for s, _ in [next(res)]}
+            tuning.setdefault(mode, {})[f"{ttft:g}@{load:g}"] = row
+            print(f"  tune {name} {mode} {ttft:g}s {load:g}: "
+                  + ", ".join(f"{k} {v['slo_attainment']:.3f}/{v['hit_ratio']:.3f}" for k, v in row.items()),
+                  file=sys.stderr, flush=True)
+    C.save_json(cache, {"key": key, "tuning": tuning})
+    return tuning
 
 
 def choose(prepared: list[dict[str, Any]], mode: str) -> float:
@@ -174,7 +185,8 @@ def evaluate(p: dict[str, Any], a: argparse.Namespace, headroom: dict[str, float
         if a.reuse_models and cache.exists() and json.loads(cache.read_text())["key"] == key:
             pt = json.loads(cache.read_text())["point"]
         else:
-            pt = run_point(p, a, ttft, load, mine)
+            pt = run_point(p, a, ttft, load, {k: params(v["h"], v["defer"]) for k, v in mine.items()},
+                           BASELINES[name])
             C.save_json(cache, {"key": key, "point": pt})
         missing = {k: v for k, v in reach_runs(a.reach).items() if k not in pt["runs"]}
         for label, v in missing.items():  # an untuned headroom beside the tuned ones, kept in the same file
@@ -193,17 +205,17 @@ def evaluate(p: dict[str, Any], a: argparse.Namespace, headroom: dict[str, float
 
 
 def run_point(p: dict[str, Any], a: argparse.Namespace, ttft: float, load: float,
-              mine: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The baselines and conductor's runs at one point: summaries, best others, paired hits."""
-    name, w, spec, mdir = p["name"], p["eval_w"], p["spec"], p["model_dir"]
+              mine: dict[str, dict[str, Any]], baselines: list[str]) -> dict[str, Any]:
+    """The baselines and conductor's runs (label -> its policy parameters) at one point:
+    summaries, best others, paired hits."""
+    w, spec, mdir = p["eval_w"], p["spec"], p["model_dir"]
     out = p["out"] / f"ttft{ttft:g}-{load:g}"
     jobs, keys = [], []
-    for pol in BASELINES[name]:
+    for pol in baselines:
         jobs.append((w, spec, pol, load, ttft, a.slo_tbt_ms, mdir, {}, str(out / pol)))
         keys.append(pol)
-    for label, v in mine.items():
-        jobs.append((w, spec, "conductor", load, ttft, a.slo_tbt_ms, mdir, params(v["h"], v["defer"]),
-                     str(out / slug(label))))
+    for label, prm in mine.items():
+        jobs.append((w, spec, "conductor", load, ttft, a.slo_tbt_ms, mdir, prm, str(out / slug(label))))
         keys.append(label)
     res = dict(zip(keys, _pool(jobs, a.workers), strict=True))
     runs = {k: s for k, (s, _) in res.items()}
@@ -214,7 +226,9 @@ def run_point(p: dict[str, Any], a: argparse.Namespace, ttft: float, load: float
     return {"ttft_s": ttft, "load": load, "best": best, "best_hit": best_hit, "runs": runs, "paired": paired}
 
 
-def render(results: list[dict[str, Any]], headroom: dict[str, float], a: argparse.Namespace, command: str) -> str:
+def tables(results: list[dict[str, Any]]) -> tuple[list[str], str, str, str, list[list[str]]]:
+    """The conductor runs every point has, and the attainment, prefix-hit and paired-hit tables
+    over the points, and the tuning table's rows (a driver adds its grid's headers)."""
     runs0 = [pt["runs"] for r in results for pt in r["points"]]  # the conductor runs every point has
     mine = [k for k in runs0[0] if k.startswith("conductor") and all(k in x for x in runs0)]
     rows, hrows, srows = [], [], []
@@ -246,9 +260,11 @@ def render(results: list[dict[str, Any]], headroom: dict[str, float], a: argpars
                 ttft, load = k.split("@")
                 trows.append([r["workload"], mode, f"{ttft} s", G.load_label(r["workload"], float(load)),
                               *[f"{C.pct(v['slo_attainment'])} / {C.pct(v['hit_ratio'])}" for v in row.values()]])
-    tuning = (C.md_table(["workload (training slice)", "deferral", "TTFT SLO", "load", "off",
-                          *[f"headroom {h:g}" for h in HEADROOMS]], trows) if trows
-              else "(not run: the headroom was given with --headroom)\n")
+    return mine, attain, hits, paired, trows
+
+
+def point_details(results: list[dict[str, Any]]) -> str:
+    """Every run at each point, best attainment first."""
     details = []
     for r in results:
         for pt in r["points"]:
@@ -259,6 +275,14 @@ def render(results: list[dict[str, Any]], headroom: dict[str, float], a: argpars
                            f"{G.load_label(r['workload'], pt['load'])}\n\n"
                            + C.md_table(["run", "SLO attainment", "TTFT mean (s)", "prefix hit", "refused",
                                          "unreachable", "late TTFT", "late TBT"], d))
+    return "\n".join(details)
+
+
+def render(results: list[dict[str, Any]], headroom: dict[str, float], a: argparse.Namespace, command: str) -> str:
+    mine, attain, hits, paired, trows = tables(results)
+    tuning = (C.md_table(["workload (training slice)", "deferral", "TTFT SLO", "load", "off",
+                          *[f"headroom {h:g}" for h in HEADROOMS]], trows) if trows
+              else "(not run: the headroom was given with --headroom)\n")
     bounds = "; ".join(f"{r['workload']} {C.pct(r['reuse_bound']['lru_hit_ratio'])}" for r in results)
     untuned = [k for k in mine if "untuned" in k]
     reach = (f" Beside them, untuned ({', '.join(untuned)}): the rule at a headroom with reach, its training "
@@ -296,7 +320,7 @@ LRU of the prefill instances' KV over the evaluation slice: {bounds}.{reach}
 **Tuning** (conductor on the *training* slice; attainment / prefix hit):
 
 {tuning}
-""" + "\n".join(details)
+""" + point_details(results)
 
 
 def main() -> None:

@@ -30,7 +30,14 @@ replicate. The decode instance balances load: the lowest predicted TBT once this
   headroom x the TTFT SLO, the one adding the least transfer + prefill wins, so a request that
   meets its SLO comfortably either way stays on its prefix and spends the least capacity
   (docs/experiments/least-work.md). Tuned on the training slices no headroom beats it off, and
-  a wide one loses attainment without raising the hit; so it stays off.
+  a wide one loses attainment without raising the hit; so it stays off;
+* future value (``future_weight``, opt-in, scheduler/policies/conductor_future.py): a request
+  whose prefix no instance holds decides where its conversation lives; its score adds
+  future_weight x each candidate's follow-up load (the decayed prefill work of requests placed
+  there because it held their prefix), so new conversations avoid the instances whose
+  follow-ups are about to arrive (docs/experiments/future-value.md). Tuned on the training
+  slices no weight beats it off by more than noise; evaluated, it lowers the synthetic workload's
+  prefix hit and, with deferral, attainment (by up to 11 points); so it stays off.
 """
 from __future__ import annotations
 
@@ -39,8 +46,10 @@ from typing import Any, Hashable, Literal
 
 from predictors.types import Role, Tier
 from scheduler.cost import DecisionContext, DecodeCandidate, PrefillCandidate, Terms
+from scheduler.follow_up import FollowUpLoad
 from scheduler.policies.base import DecodeChoice, Policy, PrefillChoice, argmin_scored, runner_up
 from scheduler.policies.conductor_affinity import near_tie_holder
+from scheduler.policies.conductor_future import add_future, bound_to, is_new, why_future
 from scheduler.policies.conductor_leastwork import least_work_within_headroom
 
 
@@ -74,6 +83,13 @@ class ConductorParams:
     # near-tie affinity, which only applies when this rule keeps the lowest score
     # (scheduler/policies/conductor_leastwork.py)
     least_work_headroom: float = 0.0
+    # future value (departs from Algorithm 1; 0: off): a new request (the prefix only some instances
+    # hold is <= future_new_share of its prompt) adds future_weight x each candidate's follow-up
+    # load: the prefill seconds of requests bound there by their prefix (more than that share beyond
+    # the common prefix), decayed with time constant future_tau_s (scheduler/policies/conductor_future.py)
+    future_weight: float = 0.0
+    future_tau_s: float = 30.0
+    future_new_share: float = 0.25
 
     def __post_init__(self) -> None:
         if not self.balancing_threshold > 0:
@@ -84,6 +100,8 @@ class ConductorParams:
             raise ValueError("affinity_margin_s and affinity_margin_rel must be >= 0")
         if not 0 <= self.least_work_headroom <= 1:
             raise ValueError("least_work_headroom must be in [0, 1] (a share of the TTFT SLO; 0: off)")
+        if self.future_weight < 0 or not self.future_tau_s > 0 or not 0 <= self.future_new_share <= 1:
+            raise ValueError("future_weight must be >= 0, future_tau_s > 0, future_new_share in [0, 1]")
 
 
 class ConductorPolicy(Policy):
@@ -95,6 +113,14 @@ class ConductorPolicy(Policy):
     # -2.8 to +4.2 points and costs the longest prompts (docs/experiments/overload-admission.md)
     cost_admission = False
     params: ConductorParams
+
+    def __init__(self, **params: Any):
+        super().__init__(**params)
+        # future value's state, kept only when the rule is on; the last choice's work per candidate
+        # (request id, {candidate: transfer + prefill s}) for ``placed``
+        p = self.params
+        self.follow_up = FollowUpLoad(p.future_tau_s) if p.future_weight > 0 else None
+        self._last_work: tuple[str, dict[str, float]] | None = None
 
     @property
     def reads_inflight(self) -> bool:
@@ -139,9 +165,15 @@ class ConductorPolicy(Policy):
             rows[cid] = t
             # TTFT (c.ttft inlined, same order of additions) + shipment + w x the work added there
             scores[cid] = t.transfer_s + c.queue_s + t.prefill_s + kv_get(cid, 0.0) + w * (t.transfer_s + t.prefill_s)
-        winner = argmin_scored(ctx.prefill, list(scores.values()), _queued_tokens, ctx.rng)
-        why = f"lowest predicted TTFT {scores[winner.id]:.4g}s{runner_up(scores, winner.id)}"
         p = self.params
+        fl, added = self.follow_up, None
+        if fl is not None:
+            self._last_work = (ctx.facts.request_id, {k: t.transfer_s + t.prefill_s for k, t in rows.items()})
+            if is_new(ctx, p.future_new_share):
+                added = add_future(ctx, scores, fl, p.future_weight)
+        winner = argmin_scored(ctx.prefill, list(scores.values()), _queued_tokens, ctx.rng)
+        why = (added and why_future(winner, scores, added, p.future_weight)) or \
+            f"lowest predicted TTFT {scores[winner.id]:.4g}s{runner_up(scores, winner.id)}"
         least_work = None
         if p.least_work_headroom > 0:
             least_work = least_work_within_headroom(ctx, winner, rows, kv_est, p.least_work_headroom)
@@ -159,7 +191,17 @@ class ConductorPolicy(Policy):
                  "pull_rule": self.params.pull_rule, "peer_pull": self.params.peer_pull}
         if pending:
             extra["inflight_hit_tokens"] = {k: v * ctx.block_size for k, v in pending.items()}
+        if added is not None:
+            extra["follow_up_load_s"] = added  # what the score of each candidate carries (x future_weight)
         return PrefillChoice(winner, t, scores, why, rows, extra)
+
+    def placed(self, ctx: DecisionContext, prefill: str, decode: str, chose_decode: bool) -> None:
+        """Future value: a request bound to its instance by its prefix adds its work there."""
+        fl, last = self.follow_up, self._last_work
+        if fl is None or last is None or last[0] != ctx.facts.request_id:
+            return
+        if bound_to(ctx, prefill, self.params.future_new_share):
+            fl.add(prefill, last[1].get(prefill, 0.0), ctx.now)
 
     @staticmethod
     def _kv_shipment_estimates(ctx: DecisionContext) -> dict[str, float]:
