@@ -14,12 +14,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from predictors import fit, learned  # noqa: E402
+from predictors import fit, learned_features  # noqa: E402
 from predictors.dataset import build_dataset  # noqa: E402
 from predictors.telemetry import read_jsonl  # noqa: E402
 from predictors.types import Tier  # noqa: E402
 
-served = learned.load_features
+served = learned_features.load_features
 
 
 def recent_bytes_feature(r, ts, tier, tokens, loads=1, busy_s=0.0):  # type: ignore[no-untyped-def]

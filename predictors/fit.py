@@ -20,11 +20,8 @@ from sklearn.linear_model import LinearRegression, QuantileRegressor  # type: ig
 from predictors.analytic import Prior, Roofline, roofline_decode_step_s, roofline_prefill_s
 from predictors.dataset import Dataset, HandoverRow, PrefillRow, TBTRow, known_at, reconstructed_queue, run_of
 from predictors.facts import Deployment
-from predictors.learned import (
+from predictors.learned_features import (
     FEATURES,
-    LearnedModels,
-    TermModel,
-    TermModels,
     dot,
     group_of,
     load_features,
@@ -33,6 +30,7 @@ from predictors.learned import (
     tbt_features,
     transfer_features,
 )
+from predictors.learned_models import LearnedModels, TermModel, TermModels
 from predictors.types import Tier
 
 #: Rows a model needs (per group; the pooled model needs as many in all).
