@@ -14,12 +14,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from predictors import fit, learned  # noqa: E402
+from predictors import fit, fit_matrices, learned_features  # noqa: E402
 from predictors.dataset import build_dataset  # noqa: E402
 from predictors.telemetry import read_jsonl  # noqa: E402
 from predictors.types import Tier  # noqa: E402
 
-served = learned.load_features
+served = learned_features.load_features
 
 
 def recent_bytes_feature(r, ts, tier, tokens, loads=1, busy_s=0.0):  # type: ignore[no-untyped-def]
@@ -47,7 +47,7 @@ def main(paths: list[str]) -> int:
         for p in ds.prefill:
             recent = float(by_id[p.request_ids[0]].store_write_recent_bytes)
             p.store_busy_s = recent if kind == "recent" else busy[id(p)]
-        fit.load_features = features  # type: ignore[assignment]
+        fit_matrices.load_features = features  # type: ignore[assignment]
         models, missing = fit.fit_all(ds, train=lambda t: t < 0.8, calibration=None, quantiles=False)
         if "store" not in models.terms:
             print(f"{kind:<8} not fitted: {missing.get('store')}")
@@ -57,7 +57,7 @@ def main(paths: list[str]) -> int:
         coef = ", ".join(f"{c:.4f}" for c in models.terms["store"].pooled.coef)
         print(f"{kind:<8} {coef:<30} {load['learned']['n']:>3} {load['learned']['mape']:>9.1%} "
               f"{load['analytic']['mape']:>6.1%} {leg['learned']['mape']:>8.1%} {leg['analytic']['mape']:>6.1%}")
-    fit.load_features = served
+    fit_matrices.load_features = served
     return 0
 
 

@@ -23,7 +23,7 @@ import numpy as np
 from predictors.cli_args import CLIError, Parser
 from predictors.dataset import DataError, Dataset, build_dataset
 from predictors.fit import MIN_ROWS, Scored, fit_all, metrics_of, score
-from predictors.learned import LearnedModels
+from predictors.learned_models import LearnedModels
 from predictors.online_quantile import replay, tune_eta
 from predictors.telemetry import RequestRecord, read_jsonl
 

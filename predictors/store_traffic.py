@@ -27,7 +27,7 @@ from collections import deque
 #: Window of recent writes (seconds): a few hundred milliseconds, about one chunked prefill step.
 WINDOW_S = 0.5
 #: Tokens per engine step the last-chunk estimate assumes (vLLM's default budget for large models;
-#: predictors/learned.py CHUNK_TOKENS).
+#: predictors/learned_features.py CHUNK_TOKENS).
 CHUNK_TOKENS = 8192
 
 

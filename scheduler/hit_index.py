@@ -37,57 +37,22 @@ Decisions of this module (documented in docs/scheduler.md):
 from __future__ import annotations
 
 import sys
-from bisect import bisect_right
-from collections.abc import Iterator
-from dataclasses import dataclass, field
-from itertools import accumulate, repeat
-from operator import and_, neg, or_
+from itertools import repeat
 from typing import Any
 
-from predictors.types import TIERS, Tier
 from scheduler.hashing import block_hashes as index_block_hashes, event_chain_keys, keyed_block_hashes
+from scheduler.hit_match import Match, held_prefixes, longest_prefixes
+from scheduler.hit_tiers import DEV, HOST, MEDIUM_TIERS, STORE, STORE_MEDIA, TIER_NAMES, tier_of
 from scheduler.prefix_runs import HeldPrefixes
 
-# tier slots in the index: positions in TIERS (device, host, store)
-_DEV, _HOST, _STORE = (TIERS.index(t) for t in (Tier.DEVICE, Tier.HOST, Tier.STORE))
-TIER_NAMES = TIERS
-
-#: KV-event ``medium`` -> tier (vLLM: GPU, CPU; SGLang: GPU, CPU_PINNED, DISK, EXTERNAL).
-MEDIUM_TIERS = {"GPU": _DEV, "CPU": _HOST, "CPU_PINNED": _HOST, "DISK": _STORE, "EXTERNAL": _STORE}
-#: Exact lower-case media of the Mooncake store: vLLM's MooncakeStoreConnector announces blocks it
-#: wrote there as ``cpu`` (the master's own events say ``cpu``/``disk``), unlike the upper-case
-#: ``CPU`` of vLLM's host-memory offloading; so case decides before the case-blind table.
-STORE_MEDIA = {"cpu": _STORE, "disk": _STORE}
+# the lookups live in hit_match.py, the tiers in hit_tiers.py; callers import these from here
+__all__ = ["DEFAULT_MAX_BLOCKS", "MEDIUM_TIERS", "STORE_MEDIA", "TIER_NAMES", "HitIndex", "Match", "tier_of"]
 
 #: Default bound on blocks per instance (all tiers) when the caller gives none.
 DEFAULT_MAX_BLOCKS = 1 << 20
 
 _MAX_GROUPS = 64  # KV-cache groups an event may name (hybrid models have a handful)
 _INT_BYTES = sys.getsizeof(1 << 63)  # a 64-bit hash as a Python int
-_FIRST_CHUNK = 16  # blocks looked up before the first check that anyone still matches
-
-
-def tier_of(medium: str | None) -> int | None:
-    """The tier a KV event's medium names (None -> device, as vLLM omits the default)."""
-    if medium is None:
-        return _DEV
-    if not isinstance(medium, str):
-        return None
-    t = STORE_MEDIA.get(medium)
-    return t if t is not None else MEDIUM_TIERS.get(medium.upper())
-
-
-@dataclass(slots=True)
-class Match:
-    """Longest contiguous prefix per instance, in blocks, stopping at the first miss.
-
-    ``device``: on the instance's device; ``local``: on its device or host memory (so
-    ``local >= device``); ``store``: in the shared store. Instances with no hit are absent.
-    """
-
-    device: dict[str, int] = field(default_factory=dict)
-    local: dict[str, int] = field(default_factory=dict)
-    store: int = 0
 
 
 class HitIndex:
@@ -155,7 +120,7 @@ class HitIndex:
         self.version += 1
         if instance_id not in self._slot:
             return False
-        self._clear(instance_id, tiers=(_DEV, _HOST, _STORE))
+        self._clear(instance_id, tiers=(DEV, HOST, STORE))
         slot = self._slot.pop(instance_id)
         self._ids[slot] = None
         self._all &= ~self._bits[slot]
@@ -230,7 +195,7 @@ class HitIndex:
             return False
         bit = self._bits[slot]
         table = self._tiers[tier]
-        if tier == _STORE:
+        if tier == STORE:
             self._link_store_run(parent_block_hash if self.trust_event_hashes or parent_block_hash is None
                                  else parent, ours)
         if self.trust_event_hashes:  # engine hash == index hash: no mapping to keep
@@ -257,7 +222,7 @@ class HitIndex:
         for engine_hash, h in zip(block_hashes, ours, strict=True):
             old = emap.get(engine_hash)
             if old is not None and old != h:  # the engine reused a hash for other tokens
-                self._forget(instance_id, slot, engine_hash, old, tiers=(_DEV, _HOST, _STORE))
+                self._forget(instance_id, slot, engine_hash, old, tiers=(DEV, HOST, STORE))
             emap[engine_hash] = h
             mask = table.get(h, 0)
             if not mask & bit:
@@ -327,7 +292,7 @@ class HitIndex:
                     rest = mask & ~bit
                     if not rest:
                         del table[h]
-                        if tier == _STORE:
+                        if tier == STORE:
                             self._store_runs.remove(h)
                     elif rest & (rest - 1):
                         table[h] = rest  # still two or more holders
@@ -347,14 +312,14 @@ class HitIndex:
     def all_cleared(self, instance_id: str) -> None:
         """The engine dropped its cache: clear its device and host tiers (the store keeps its copy)."""
         self.version += 1
-        self._clear(instance_id, tiers=(_DEV, _HOST))
+        self._clear(instance_id, tiers=(DEV, HOST))
 
     def drop_instance(self, instance_id: str) -> None:
         """Forget what an instance holds itself (before rebuilding it from replay). What it wrote
         to the shared store stays: a restarted engine does not flush the store, and losing those
         hits until they are written again would cost every instance its store pulls."""
         self.version += 1
-        self._clear(instance_id, tiers=(_DEV, _HOST))
+        self._clear(instance_id, tiers=(DEV, HOST))
 
     def _forget(self, instance_id: str, slot: int, engine_hash: int, h: int, tiers: tuple[int, ...]) -> bool:
         """Clear ``h`` for one instance in ``tiers``; drop the engine mapping once no tier holds it."""
@@ -368,7 +333,7 @@ class HitIndex:
                 held = True
                 self._set_rest(table, h, mask & ~bit)
                 counts[tier] -= 1
-        if not any(self._tiers[t].get(h, 0) & bit for t in (_DEV, _HOST, _STORE)):
+        if not any(self._tiers[t].get(h, 0) & bit for t in (DEV, HOST, STORE)):
             self._engine[instance_id].pop(engine_hash, None)
         groups = self._groups.get(instance_id)
         if groups:
@@ -413,7 +378,7 @@ class HitIndex:
                 mask = table.get(h, 0)
                 if mask & bit:
                     self._set_rest(table, h, mask & ~bit)
-            if any(self._tiers[t].get(h, 0) & bit for t in (_DEV, _HOST, _STORE) if t not in cleared):
+            if any(self._tiers[t].get(h, 0) & bit for t in (DEV, HOST, STORE) if t not in cleared):
                 keep[engine_hash] = h
         for tier in tiers:
             counts[tier] = 0
@@ -423,7 +388,7 @@ class HitIndex:
         """Store what is left of a mask after one holder left (single holders share interned ints)."""
         if not rest:
             del table[h]
-            if table is self._tiers[_STORE]:
+            if table is self._tiers[STORE]:
                 self._store_runs.remove(h)
         elif rest & (rest - 1):
             table[h] = rest  # still two or more holders
@@ -433,93 +398,15 @@ class HitIndex:
 
     # --- lookups ------------------------------------------------------------------------
     def match(self, hashes: list[int], limit: int | None = None, store: bool = True) -> Match:
-        """Longest contiguous prefix (in blocks) per instance and in the store, first miss stops.
-
-        ``store=False``: leave the store tier alone (``Match.store`` 0): the caller knows the
-        store's answer from the store itself (the gateway's live store tier), which the engines'
-        store-medium events only echo.
-
-        ``limit`` caps the blocks looked at (an engine never reuses the block holding the
-        prompt's last token, so the scheduler passes ``(prompt_tokens - 1) // block_size``).
-        The walk runs in C over chunks of growing size: look the chunk up in the tier dicts
-        (``map``), AND the holder masks cumulatively (``accumulate``), and since a running AND
-        of bitmasks never increases, find where holders drop out by bisection. A lookup into a
-        1M-entry dict is a few cache misses (~0.25 us), so the second tier is looked up only
-        from where the first tier's run of some live holder ends: while every live holder still
-        holds the blocks in the tier looked up first (the device; the host tier once no live
-        holder has a device run), their local run moves with it.
-        """
-        n = len(hashes) if limit is None else max(0, min(limit, len(hashes)))
-        dev, host, stored = self._tiers
-        out = Match()
-        if n and (dev or host):
-            ids = self._ids
-            alive_l = alive_d = self._all
-            dget, hget = dev.get, host.get
-            for start, end in _chunks(n):
-                if not alive_l:
-                    break
-                chunk = hashes[start:end]
-                if not host:
-                    d = list(map(dget, chunk, repeat(0, end - start)))
-                    alive_l = alive_d = _scan(list(accumulate(d, and_, initial=alive_d)), start, out.device, ids)
-                elif alive_l == alive_d or not alive_d:  # one tier first, the other where its run ends
-                    first, other = (dget, hget) if alive_d else (hget, dget)
-                    f = list(map(first, chunk, repeat(0, end - start)))
-                    acc = list(accumulate(f, and_, initial=alive_l))
-                    if acc[-1] != alive_l:
-                        k = _first_drop(acc) - 1  # block start + k: the first some live holder lacks there
-                        loc = map(or_, f[k:], map(other, chunk[k:], repeat(0, end - start - k)))
-                        alive_l_next = _scan(list(accumulate(loc, and_, initial=alive_l)), start + k, out.local, ids)
-                        if alive_d:
-                            alive_d = _scan(acc, start, out.device, ids)
-                        alive_l = alive_l_next
-                else:  # some live holders on device, others only local: both tiers throughout
-                    d = list(map(dget, chunk, repeat(0, end - start)))
-                    both = map(or_, d, map(hget, chunk, repeat(0, end - start)))
-                    alive_l = _scan(list(accumulate(both, and_, initial=alive_l)), start, out.local, ids)
-                    alive_d = _scan(list(accumulate(d, and_, initial=alive_d)), start, out.device, ids)
-            if alive_d:
-                _record(out.device, alive_d, n, ids)
-            if host:
-                if alive_l:
-                    _record(out.local, alive_l, n, ids)
-            else:
-                out.local = dict(out.device)
-        if n and store and stored:
-            contains = stored.__contains__
-            start = self._store_runs.known(hashes, n)  # linked runs by bisection, then the walk
-            step = 2 if start else _FIRST_CHUNK
-            while start < n:
-                end = min(n, start + step)
-                step *= 2
-                flags = list(map(contains, hashes[start:end]))
-                if not all(flags):
-                    start += flags.index(False)
-                    break
-                start = end
-            out.store = min(start, n)
-        return out
+        """Longest contiguous prefix (in blocks) per instance and in the store, first miss stops
+        (scheduler/hit_match.py ``longest_prefixes``). ``limit`` caps the blocks looked at;
+        ``store=False`` leaves the store tier alone (``Match.store`` 0)."""
+        return longest_prefixes(self._tiers, self._all, self._ids, self._store_runs, hashes, limit, store)
 
     def match_held(self, hashes: list[int], limit: int | None = None) -> dict[str, int]:
-        """Per instance, the longest prefix (blocks) it holds in any tier: its device, its host
-        memory, or blocks its own KV events announced as written to the shared store. The
-        indexer API's per-instance ``CPU`` answer (a Mooncake store is pooled host DRAM); the
-        scheduler uses :meth:`match`, where the store is everyone's."""
-        n = len(hashes) if limit is None else max(0, min(limit, len(hashes)))
-        out: dict[str, int] = {}
-        dget, hget, sget = (t.get for t in self._tiers)
-        alive, ids = self._all, self._ids
-        for start, end in _chunks(n):
-            if not alive:
-                break
-            chunk = hashes[start:end]
-            local = map(or_, map(dget, chunk, repeat(0)), map(hget, chunk, repeat(0)))
-            held = map(or_, local, map(sget, chunk, repeat(0)))
-            alive = _scan(list(accumulate(held, and_, initial=alive)), start, out, ids)
-        if alive:
-            _record(out, alive, n, ids)
-        return out
+        """Per instance, the longest prefix (blocks) it holds in any tier, its own store writes
+        included (scheduler/hit_match.py ``held_prefixes``): the indexer API's ``CPU`` answer."""
+        return held_prefixes(self._tiers, self._all, self._ids, hashes, limit)
 
     # --- reporting ----------------------------------------------------------------------
     def cached_blocks(self, instance_id: str) -> dict[str, int]:
@@ -544,43 +431,3 @@ class HitIndex:
         for groups in self._groups.values():  # hybrid-model instances: a (tier, hash) tuple and a mask each
             total += sys.getsizeof(groups) + len(groups) * (sys.getsizeof((0, 0)) + _INT_BYTES)
         return total
-
-
-def _chunks(n: int) -> Iterator[tuple[int, int]]:
-    """``(start, end)`` of the growing chunks a walk over ``n`` blocks takes: a miss near the
-    front costs a short chunk, a long hit few round trips into C."""
-    start, step = 0, _FIRST_CHUNK
-    while start < n:
-        end = min(n, start + step)
-        yield start, end
-        start, step = end, step * 2
-
-
-def _first_drop(acc: list[int]) -> int:
-    """The first k with ``acc[k] < acc[0]`` (``acc`` a running AND: it never increases)."""
-    return bisect_right(acc, -acc[0], key=neg)
-
-
-def _scan(acc: list[int], offset: int, out: dict[str, int], ids: list[str | None]) -> int:
-    """Record holders whose run ends inside a chunk; return who is still alive after it.
-
-    ``acc[k]`` is the set of holders alive after the chunk's first k blocks (a running AND, so
-    it never increases as an integer): where it drops is found by bisection, not by a loop.
-    """
-    cur, last = acc[0], acc[-1]
-    lo = 0
-    while cur != last:
-        k = bisect_right(acc, -cur, lo, key=neg)  # first k with acc[k] < cur
-        length = offset + k - 1  # block offset + k - 1 was the first miss
-        if length:
-            _record(out, cur & ~acc[k], length, ids)
-        cur, lo = acc[k], k
-    return last
-
-
-def _record(out: dict[str, int], mask: int, length: int, ids: list[str | None]) -> None:
-    """Set ``out[id] = length`` for every slot in ``mask``."""
-    while mask:
-        low = mask & -mask
-        out[ids[low.bit_length() - 1]] = length  # type: ignore[index]  # a set bit is a live slot: never None
-        mask ^= low

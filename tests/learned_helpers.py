@@ -6,7 +6,7 @@ import random
 from typing import Callable
 
 from predictors.facts import load_deployment
-from predictors.learned import load_features, physics, prefill_features, tbt_features, transfer_features
+from predictors.learned_features import load_features, physics, prefill_features, tbt_features, transfer_features
 from predictors.telemetry import RequestRecord
 from predictors.types import Tier
 

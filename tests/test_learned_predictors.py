@@ -19,14 +19,8 @@ from predictors.base import DecodeState
 from predictors.calibrate import calibrate
 from predictors.dataset import DataError, build_dataset
 from predictors.facts import load_deployment
-from predictors.learned import (
-    FEATURES,
-    MODELS_FILE,
-    ModelError,
-    learned_predictors,
-    load_models,
-    parse_models,
-)
+from predictors.learned import MODELS_FILE, ModelError, learned_predictors, load_models, parse_models
+from predictors.learned_features import FEATURES
 from predictors.registry import make_predictors
 from predictors.telemetry import RequestRecord, write_jsonl
 
@@ -364,7 +358,7 @@ def test_compiled_closed_forms_equal_the_models_over_their_features(exact):
     models' dot products over the documented features."""
     import random
 
-    from predictors.learned import physics, prefill_features, tbt_features, transfer_features
+    from predictors.learned_features import physics, prefill_features, tbt_features, transfer_features
 
     good, _ = exact
     models = load_models(good)
@@ -469,7 +463,7 @@ def test_calibrate_learns_the_store_load_inside_the_prefill_leg_and_serves_it(tm
     p = learned_predictors(str(tmp_path), online=False)
     d = load_deployment(DEPLOYMENT)
     p.register("p-1", d, 400_000)
-    from predictors.learned import load_features, physics
+    from predictors.learned_features import load_features, physics
     from predictors.types import Tier
     want = sum(w * x for w, x in zip(TRUE["store"], load_features(physics(d), 1.0, Tier.STORE, 4096), strict=True))
     assert p.transfer.transfer_time(4096, Tier.STORE, "p-1") == pytest.approx(want, rel=1e-9)
@@ -494,7 +488,7 @@ def test_the_served_store_term_waits_for_the_links_the_gateway_sees_busy(tmp_pat
     """Telemetry whose store loads waited for links busy with write-through (``store_busy_s``):
     calibration recovers the wait's weight (TRUE["store"][2]) and serves it, reading the busy time
     from the scheduler's StoreTraffic at decision; a load longer than the wait does not wait."""
-    from predictors.learned import load_features, physics
+    from predictors.learned_features import load_features, physics
     from predictors.store_traffic import StoreTraffic
     from predictors.types import Tier
     calibrate(synth_records(600, seed=21, store_share=0.5), str(tmp_path), draw=False)
@@ -520,7 +514,7 @@ def test_the_served_store_term_waits_for_the_links_the_gateway_sees_busy(tmp_pat
 
 
 def test_a_model_file_with_the_earlier_two_feature_store_term_still_serves(tmp_path):
-    from predictors.learned import TRANSFER_FEATURES
+    from predictors.learned_features import TRANSFER_FEATURES
     calibrate(synth_records(400, seed=3, store_share=0.3), str(tmp_path), draw=False)
     raw = json.loads((tmp_path / "models.json").read_text())
     st = raw["terms"]["store"]
@@ -539,7 +533,7 @@ def test_a_store_load_is_not_corrected_online_only_its_live_error_is_tracked(tmp
     """A store load observed at its end (its leg minus the prefill, which prefills joining the
     instance later can stretch) updates the live error, judged at the busy time recorded at its
     decision, but never the served factor: a leg stretched 3x leaves the store term as fitted."""
-    from predictors.learned import load_features, physics
+    from predictors.learned_features import load_features, physics
     from predictors.store_traffic import StoreTraffic
     from predictors.types import Tier
     calibrate(synth_records(600, seed=21, store_share=0.5), str(tmp_path), draw=False)

@@ -13,15 +13,8 @@ from predictors.calibrate import calibrate
 from predictors.dataset import build_dataset
 from predictors.facts import load_deployment
 from predictors.fit import calibration_folds
-from predictors.learned import (
-    MODELS_FILE,
-    TBT_FEATURES_V1,
-    learned_predictors,
-    load_models,
-    physics,
-    slowest_share,
-    tbt_features,
-)
+from predictors.learned import MODELS_FILE, learned_predictors, load_models
+from predictors.learned_features import TBT_FEATURES_V1, physics, slowest_share, tbt_features
 from scheduler import Instance, Placement, RequestFacts, Scheduler
 from scheduler.hashing import block_hashes
 from tests.sched_helpers import Clock, toks
