@@ -16,9 +16,10 @@ shared system prompt), sent in order by ``--concurrency`` clients, each request 
 and also net of its idle rate (health and load polls) measured for ``--idle-s`` before them.
 
 ``--profile``: the gateway runs with ``CONDUCTOR_PROFILE`` (gateway/profiling.py) and profiles the
-counted requests only; the JSON then holds the top functions by own time and the cumulative time
-of the request's phases (names in PHASES), in ms per request. cProfile slows the gateway (about
-2x): its figures are shares of the profiled run, not the unprofiled CPU.
+counted requests only, in CPU time of its event loop's thread; the JSON then holds the top
+functions by own time and the cumulative time of the request's phases (names in PHASES), in ms
+per request. cProfile slows the gateway (about 2x, most in small functions): its figures are
+shares of the profiled run, not the unprofiled CPU.
 """
 from __future__ import annotations
 
