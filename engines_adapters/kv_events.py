@@ -33,6 +33,7 @@ from engines_adapters.kv_wire import (
 
 log = logging.getLogger(__name__)
 _END_SEQ = -1
+_POLLIN = int(zmq.POLLIN)  # a plain int: ``EVENTS & zmq.POLLIN`` builds an enum member per batch
 
 
 class HitIndexSink(Protocol):
@@ -118,6 +119,9 @@ class KVEventSubscriber:
         self._last_heard = time.monotonic()
         self.stats = SubscriberStats()
         self._sub: zmq.asyncio.Socket | None = None
+        # the same socket without asyncio futures: a batch known to be queued is read at once (the
+        # asyncio socket's future and poller per batch cost more than applying the batch)
+        self._now: zmq.Socket | None = None
         self._live_last = -1
         self._resync = False
 
@@ -136,7 +140,7 @@ class KVEventSubscriber:
             raise
         if not publisher_binds(self.endpoint) and self.endpoint.endswith(":0"):  # the port the OS chose
             self.endpoint = sub.getsockopt(zmq.LAST_ENDPOINT).decode()
-        self._sub = sub
+        self._sub, self._now = sub, zmq.Socket.shadow(sub.underlying)
 
     def resync(self) -> None:
         """Drop this instance's blocks and rebuild from replay at the next turn of the loop
@@ -146,7 +150,7 @@ class KVEventSubscriber:
     def close(self) -> None:
         if self._sub is not None:
             self._sub.close(0)
-            self._sub = None
+            self._sub = self._now = None
 
     async def run(self) -> None:
         if self._sub is None:
@@ -163,7 +167,7 @@ class KVEventSubscriber:
                 # the socket processes its commands; reading ZMQ_EVENTS does that, and the bounded
                 # poll makes sure it happens even when the FD edge fired while we were busy
                 # (libzmq #2267)
-                if not self._sub.getsockopt(zmq.EVENTS) & zmq.POLLIN and not await self._sub.poll(100):
+                if not self._sub.getsockopt(zmq.EVENTS) & _POLLIN and not await self._sub.poll(100):
                     if time.monotonic() - self._last_heard > self.idle_probe_s:
                         # a lost batch is otherwise noticed only when a later one arrives, and a
                         # quiet engine may send none (batches published before our subscription
@@ -172,7 +176,10 @@ class KVEventSubscriber:
                         await self._recover(self.stats.last_seq + 1, gap_known=False)
                     continue
                 self._last_heard = time.monotonic()
-                frames = await self._sub.recv_multipart()
+                try:  # queued: EVENTS or the poll said so
+                    frames = self._now.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    continue
                 if len(frames) != 3 or len(frames[1]) != 8:
                     self.stats.ignored += 1
                     continue
