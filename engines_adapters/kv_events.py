@@ -36,6 +36,11 @@ _END_SEQ = -1
 _POLLIN = int(zmq.POLLIN)  # a plain int: ``EVENTS & zmq.POLLIN`` builds an enum member per batch
 
 
+def _wake(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 class HitIndexSink(Protocol):
     """What the subscriber feeds: the scheduler's hit index has exactly these methods."""
 
@@ -118,16 +123,16 @@ class KVEventSubscriber:
         self.topic, self.replay_timeout_s, self.idle_probe_s = topic, replay_timeout_s, idle_probe_s
         self._last_heard = time.monotonic()
         self.stats = SubscriberStats()
-        self._sub: zmq.asyncio.Socket | None = None
-        # the same socket without asyncio futures: a batch known to be queued is read at once (the
-        # asyncio socket's future and poller per batch cost more than applying the batch)
-        self._now: zmq.Socket | None = None
+        # a plain (not asyncio) socket, its FD watched by the loop only while waiting
+        # (``_queued``): pyzmq's asyncio socket ran a handler on every FD wake, and a future and
+        # a poller per batch, which cost more than applying the batch
+        self._sub: zmq.Socket | None = None
         self._live_last = -1
         self._resync = False
 
     def open(self) -> None:
         """Bind or connect the SUB socket now, so an engine that connects later finds it."""
-        sub = self.ctx.socket(zmq.SUB)
+        sub: zmq.Socket = zmq.Socket(self.ctx, zmq.SUB)
         try:
             sub.setsockopt(zmq.SUBSCRIBE, self.topic)
             sub.setsockopt(zmq.LINGER, 0)
@@ -140,7 +145,7 @@ class KVEventSubscriber:
             raise
         if not publisher_binds(self.endpoint) and self.endpoint.endswith(":0"):  # the port the OS chose
             self.endpoint = sub.getsockopt(zmq.LAST_ENDPOINT).decode()
-        self._sub, self._now = sub, zmq.Socket.shadow(sub.underlying)
+        self._sub = sub
 
     def resync(self) -> None:
         """Drop this instance's blocks and rebuild from replay at the next turn of the loop
@@ -150,11 +155,13 @@ class KVEventSubscriber:
     def close(self) -> None:
         if self._sub is not None:
             self._sub.close(0)
-            self._sub = self._now = None
+            self._sub = None
 
     async def run(self) -> None:
         if self._sub is None:
             self.open()
+        sub = self._sub
+        assert sub is not None
         try:
             await self._recover(0)  # a subscriber that joins late would otherwise see no history
             while True:
@@ -165,9 +172,9 @@ class KVEventSubscriber:
                     await self._recover(0)
                 # a bound SUB only attaches a connecting PUB (and sends it our subscription) when
                 # the socket processes its commands; reading ZMQ_EVENTS does that, and the bounded
-                # poll makes sure it happens even when the FD edge fired while we were busy
+                # wait makes sure it happens even when the FD edge fired while we were busy
                 # (libzmq #2267)
-                if not self._sub.getsockopt(zmq.EVENTS) & _POLLIN and not await self._sub.poll(100):
+                if not sub.getsockopt(zmq.EVENTS) & _POLLIN and not await self._queued(sub, 0.1):
                     if time.monotonic() - self._last_heard > self.idle_probe_s:
                         # a lost batch is otherwise noticed only when a later one arrives, and a
                         # quiet engine may send none (batches published before our subscription
@@ -176,8 +183,8 @@ class KVEventSubscriber:
                         await self._recover(self.stats.last_seq + 1, gap_known=False)
                     continue
                 self._last_heard = time.monotonic()
-                try:  # queued: EVENTS or the poll said so
-                    frames = self._now.recv_multipart(zmq.NOBLOCK)
+                try:  # queued: EVENTS said so
+                    frames = sub.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     continue
                 if len(frames) != 3 or len(frames[1]) != 8:
@@ -186,6 +193,22 @@ class KVEventSubscriber:
                 await self._on_batch(struct.unpack(">Q", frames[1])[0], frames[2])
         finally:
             self.close()
+
+    @staticmethod
+    async def _queued(sub: zmq.Socket, timeout_s: float) -> bool:
+        """Whether a batch is queued once the socket's FD signals, or ``timeout_s`` passed. The
+        FD is edge-triggered (it signals a change, not a level): EVENTS says what there is."""
+        loop = asyncio.get_running_loop()
+        woken = loop.create_future()
+        fd = sub.getsockopt(zmq.FD)
+        loop.add_reader(fd, _wake, woken)
+        timer = loop.call_later(timeout_s, _wake, woken)
+        try:
+            await woken
+        finally:
+            loop.remove_reader(fd)
+            timer.cancel()
+        return bool(sub.getsockopt(zmq.EVENTS) & _POLLIN)
 
     async def _on_batch(self, seq: int, payload: bytes) -> None:
         if seq < self._live_last:  # live batches from one publisher are ordered: it restarted
