@@ -123,16 +123,18 @@ class KVEventSubscriber:
         self.topic, self.replay_timeout_s, self.idle_probe_s = topic, replay_timeout_s, idle_probe_s
         self._last_heard = time.monotonic()
         self.stats = SubscriberStats()
-        # a plain (not asyncio) socket, its FD watched by the loop only while waiting
-        # (``_queued``): pyzmq's asyncio socket ran a handler on every FD wake, and a future and
-        # a poller per batch, which cost more than applying the batch
+        # a plain (not asyncio) socket whose FD the loop watches (``_on_fd``) while ``run`` runs:
+        # pyzmq's asyncio socket built a poller, futures and timers per batch, which cost more
+        # than applying the batch
         self._sub: zmq.Socket | None = None
+        self._waiter: asyncio.Future | None = None  # ``_queued`` waiting for a batch
+        self._reader: tuple[asyncio.AbstractEventLoop, int] | None = None  # where the FD is watched
         self._live_last = -1
         self._resync = False
 
     def open(self) -> None:
         """Bind or connect the SUB socket now, so an engine that connects later finds it."""
-        sub: zmq.Socket = zmq.Socket(self.ctx, zmq.SUB)
+        sub = self.ctx.socket(zmq.SUB, socket_class=zmq.Socket)  # the context's: its destroy closes it
         try:
             sub.setsockopt(zmq.SUBSCRIBE, self.topic)
             sub.setsockopt(zmq.LINGER, 0)
@@ -153,6 +155,11 @@ class KVEventSubscriber:
         self._resync = True
 
     def close(self) -> None:
+        if self._reader is not None:  # never a closed socket's FD left in the loop
+            loop, fd = self._reader
+            self._reader = None
+            if not loop.is_closed():
+                loop.remove_reader(fd)
         if self._sub is not None:
             self._sub.close(0)
             self._sub = None
@@ -162,6 +169,10 @@ class KVEventSubscriber:
             self.open()
         sub = self._sub
         assert sub is not None
+        loop = asyncio.get_running_loop()
+        fd = sub.getsockopt(zmq.FD)
+        loop.add_reader(fd, self._on_fd, sub)
+        self._reader = loop, fd
         try:
             await self._recover(0)  # a subscriber that joins late would otherwise see no history
             while True:
@@ -174,7 +185,7 @@ class KVEventSubscriber:
                 # the socket processes its commands; reading ZMQ_EVENTS does that, and the bounded
                 # wait makes sure it happens even when the FD edge fired while we were busy
                 # (libzmq #2267)
-                if not sub.getsockopt(zmq.EVENTS) & _POLLIN and not await self._queued(sub, 0.1):
+                if not sub.getsockopt(zmq.EVENTS) & _POLLIN and not await self._queued(loop, sub, 0.1):
                     if time.monotonic() - self._last_heard > self.idle_probe_s:
                         # a lost batch is otherwise noticed only when a later one arrives, and a
                         # quiet engine may send none (batches published before our subscription
@@ -194,19 +205,21 @@ class KVEventSubscriber:
         finally:
             self.close()
 
-    @staticmethod
-    async def _queued(sub: zmq.Socket, timeout_s: float) -> bool:
-        """Whether a batch is queued once the socket's FD signals, or ``timeout_s`` passed. The
-        FD is edge-triggered (it signals a change, not a level): EVENTS says what there is."""
-        loop = asyncio.get_running_loop()
-        woken = loop.create_future()
-        fd = sub.getsockopt(zmq.FD)
-        loop.add_reader(fd, _wake, woken)
+    def _on_fd(self, sub: zmq.Socket) -> None:
+        """The socket's FD signalled. ZMQ's FD is edge-like (it signals a change, not a level)
+        and stays readable until the socket processes its commands: reading EVENTS does that (or
+        the loop would call this again and again), and says whether a batch is queued."""
+        if sub.getsockopt(zmq.EVENTS) & _POLLIN and self._waiter is not None:
+            _wake(self._waiter)
+
+    async def _queued(self, loop: asyncio.AbstractEventLoop, sub: zmq.Socket, timeout_s: float) -> bool:
+        """Whether a batch is queued once the FD signals one, or ``timeout_s`` passed."""
+        self._waiter = woken = loop.create_future()
         timer = loop.call_later(timeout_s, _wake, woken)
         try:
             await woken
         finally:
-            loop.remove_reader(fd)
+            self._waiter = None
             timer.cancel()
         return bool(sub.getsockopt(zmq.EVENTS) & _POLLIN)
 
