@@ -46,7 +46,7 @@ class StreamTally:
         n = len(_CONTENT.findall(events))
         if n:
             self.token_times.extend([now] * n)
-        if _USAGE.search(events) is None:
+        if b'"usage":' not in events or _USAGE.search(events) is None:  # (most events: a byte search only)
             return False
         for line in events.split(b"\n"):
             if line.startswith(b"data: {") and _USAGE.search(line):
