@@ -3,6 +3,7 @@ bounded closed-loop run of the synthetic workload, and the gateway process's CPU
 
     .venv/bin/python bench/gateway_cpu.py [--requests 300] [--concurrency 48] [--stream-fraction 0.5]
         [--profile] [--top 25] [--out DIR]
+    .venv/bin/python bench/gateway_cpu.py --relay-only [--events 50000]
 
 Why: on a 2-core machine the gateway's CPU, not the policy, limited the live runs (bench/
 live_arrival_probe.py). CPU time, unlike wall time, is robust to the machine's other load.
@@ -20,6 +21,10 @@ counted requests only, in CPU time of its event loop's thread; the JSON then hol
 functions by own time and the cumulative time of the request's phases (names in PHASES), in ms
 per request. cProfile slows the gateway (about 2x, most in small functions): its figures are
 shares of the profiled run, not the unprofiled CPU.
+
+``--relay-only``: no gateway, no network: the SSE relay (``gateway.streaming.UpstreamStream``) in
+this process, fed one token event per read by a fake engine body and forwarding to a no-op ASGI
+send, on uvloop; prints its CPU microseconds per event (the loop's own turn per read included).
 """
 from __future__ import annotations
 
@@ -174,6 +179,52 @@ async def measure(a: argparse.Namespace, url: str, pid: int, prof: Path | None) 
     return res
 
 
+#: a chat completion chunk as the sim engine streams it (one token)
+TOKEN_EVENT = (b'data: {"id":"chatcmpl-cmpl-0123456789abcdef","object":"chat.completion.chunk","created":1764593000,'
+               b'"model":"llama3-8b","choices":[{"index":0,"delta":{"content":"abc"},"logprobs":null,'
+               b'"finish_reason":null}]}\n\n')
+
+
+def relay_only(events: int) -> dict[str, Any]:
+    """CPU microseconds per event of the relay alone (see the module's doc)."""
+    import uvloop
+
+    from gateway.streaming import UpstreamStream
+
+    class Body:
+        left = events
+
+        async def readany(self) -> bytes:
+            await asyncio.sleep(0)  # the next event is ready after one turn of the loop
+            if not self.left:
+                return b""
+            self.left -= 1
+            return TOKEN_EVENT
+
+    class Upstream:
+        content = Body()
+
+        def close(self) -> None:
+            pass
+
+    async def send(message: dict) -> None:
+        pass
+
+    async def receive() -> dict:
+        await asyncio.Event().wait()  # the client stays to the end
+        return {}
+
+    async def run() -> float:
+        stream = UpstreamStream(Upstream(), {}, lambda tally: None, idle_timeout_s=30)  # type: ignore[arg-type]
+        t0 = time.process_time()
+        await stream({"type": "http"}, receive, send)
+        return time.process_time() - t0
+
+    cpu = uvloop.run(run())
+    return {"bench": "gateway_cpu", "relay_only": True, "events": events,
+            "cpu_us_per_event": round(cpu * 1e6 / events, 2), "load_average": os.getloadavg()[0]}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=300, help="counted requests")
@@ -185,7 +236,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--profile", action="store_true", help="profile the counted requests (cProfile in the gateway)")
     p.add_argument("--top", type=int, default=25, help="functions listed with --profile")
     p.add_argument("--out", type=Path, default=C.OUT / "gateway-cpu")
+    p.add_argument("--relay-only", action="store_true", help="the SSE relay alone, in this process (no gateway)")
+    p.add_argument("--events", type=int, default=50000, help="events relayed with --relay-only")
     a = p.parse_args(argv)
+    if a.relay_only:
+        print(json.dumps(relay_only(min(a.events, 10**6))))
+        return
     if not 0 < a.requests <= 5000 or not 0 < a.concurrency <= 512:
         p.error("--requests must be in 1..5000 and --concurrency in 1..512 (a bounded run)")
     a.out.mkdir(parents=True, exist_ok=True)
