@@ -33,6 +33,12 @@ from engines_adapters.kv_wire import (
 
 log = logging.getLogger(__name__)
 _END_SEQ = -1
+_POLLIN = int(zmq.POLLIN)  # a plain int: ``EVENTS & zmq.POLLIN`` builds an enum member per batch
+
+
+def _wake(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 class HitIndexSink(Protocol):
@@ -117,13 +123,18 @@ class KVEventSubscriber:
         self.topic, self.replay_timeout_s, self.idle_probe_s = topic, replay_timeout_s, idle_probe_s
         self._last_heard = time.monotonic()
         self.stats = SubscriberStats()
-        self._sub: zmq.asyncio.Socket | None = None
+        # a plain (not asyncio) socket whose FD the loop watches (``_on_fd``) while ``run`` runs:
+        # pyzmq's asyncio socket built a poller, futures and timers per batch, which cost more
+        # than applying the batch
+        self._sub: zmq.Socket | None = None
+        self._waiter: asyncio.Future | None = None  # ``_queued`` waiting for a batch
+        self._reader: tuple[asyncio.AbstractEventLoop, int] | None = None  # where the FD is watched
         self._live_last = -1
         self._resync = False
 
     def open(self) -> None:
         """Bind or connect the SUB socket now, so an engine that connects later finds it."""
-        sub = self.ctx.socket(zmq.SUB)
+        sub = self.ctx.socket(zmq.SUB, socket_class=zmq.Socket)  # the context's: its destroy closes it
         try:
             sub.setsockopt(zmq.SUBSCRIBE, self.topic)
             sub.setsockopt(zmq.LINGER, 0)
@@ -144,6 +155,11 @@ class KVEventSubscriber:
         self._resync = True
 
     def close(self) -> None:
+        if self._reader is not None:  # never a closed socket's FD left in the loop
+            loop, fd = self._reader
+            self._reader = None
+            if not loop.is_closed():
+                loop.remove_reader(fd)
         if self._sub is not None:
             self._sub.close(0)
             self._sub = None
@@ -151,6 +167,12 @@ class KVEventSubscriber:
     async def run(self) -> None:
         if self._sub is None:
             self.open()
+        sub = self._sub
+        assert sub is not None
+        loop = asyncio.get_running_loop()
+        fd = sub.getsockopt(zmq.FD)
+        loop.add_reader(fd, self._on_fd, sub)
+        self._reader = loop, fd
         try:
             await self._recover(0)  # a subscriber that joins late would otherwise see no history
             while True:
@@ -161,9 +183,9 @@ class KVEventSubscriber:
                     await self._recover(0)
                 # a bound SUB only attaches a connecting PUB (and sends it our subscription) when
                 # the socket processes its commands; reading ZMQ_EVENTS does that, and the bounded
-                # poll makes sure it happens even when the FD edge fired while we were busy
+                # wait makes sure it happens even when the FD edge fired while we were busy
                 # (libzmq #2267)
-                if not self._sub.getsockopt(zmq.EVENTS) & zmq.POLLIN and not await self._sub.poll(100):
+                if not sub.getsockopt(zmq.EVENTS) & _POLLIN and not await self._queued(loop, sub, 0.1):
                     if time.monotonic() - self._last_heard > self.idle_probe_s:
                         # a lost batch is otherwise noticed only when a later one arrives, and a
                         # quiet engine may send none (batches published before our subscription
@@ -172,13 +194,34 @@ class KVEventSubscriber:
                         await self._recover(self.stats.last_seq + 1, gap_known=False)
                     continue
                 self._last_heard = time.monotonic()
-                frames = await self._sub.recv_multipart()
+                try:  # queued: EVENTS said so
+                    frames = sub.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    continue
                 if len(frames) != 3 or len(frames[1]) != 8:
                     self.stats.ignored += 1
                     continue
                 await self._on_batch(struct.unpack(">Q", frames[1])[0], frames[2])
         finally:
             self.close()
+
+    def _on_fd(self, sub: zmq.Socket) -> None:
+        """The socket's FD signalled. ZMQ's FD is edge-like (it signals a change, not a level)
+        and stays readable until the socket processes its commands: reading EVENTS does that (or
+        the loop would call this again and again), and says whether a batch is queued."""
+        if sub.getsockopt(zmq.EVENTS) & _POLLIN and self._waiter is not None:
+            _wake(self._waiter)
+
+    async def _queued(self, loop: asyncio.AbstractEventLoop, sub: zmq.Socket, timeout_s: float) -> bool:
+        """Whether a batch is queued once the FD signals one, or ``timeout_s`` passed."""
+        self._waiter = woken = loop.create_future()
+        timer = loop.call_later(timeout_s, _wake, woken)
+        try:
+            await woken
+        finally:
+            self._waiter = None
+            timer.cancel()
+        return bool(sub.getsockopt(zmq.EVENTS) & _POLLIN)
 
     async def _on_batch(self, seq: int, payload: bytes) -> None:
         if seq < self._live_last:  # live batches from one publisher are ordered: it restarted

@@ -52,6 +52,7 @@ def _run(cfg: GatewayConfig, log_level: str) -> int:
     engine's socket or a thread, can keep a stopped gateway alive."""
     import uvicorn
 
+    from gateway import profiling
     from gateway.app import create_app
     from gateway.netguard import (
         GuardCollector,
@@ -84,6 +85,7 @@ def _run(cfg: GatewayConfig, log_level: str) -> int:
                             # in-flight streams get half the shutdown budget; stopping everything the rest
                             timeout_graceful_shutdown=cfg.shutdown_timeout_s / 2)  # type: ignore[arg-type]
     server = _server(config, cfg.shutdown_timeout_s)
+    profiling.install()
     code = 0
     try:
         server.run()

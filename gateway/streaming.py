@@ -37,7 +37,8 @@ class StreamTally:
         self.disconnected = False  # the client left before the stream's end
         self.done = False  # the terminating [DONE] event was forwarded
 
-    def scan_events(self, events: bytes, now: float) -> None:
+    def scan_events(self, events: bytes, now: float) -> bool:
+        """Tally whole SSE ``events`` forwarded at ``now``; True when one of them carries usage."""
         if b"data: [DONE]" in events:
             self.done = True
         if b'data: {"error"' in events and self.error is None:  # the engine failed in-band
@@ -45,13 +46,15 @@ class StreamTally:
         n = len(_CONTENT.findall(events))
         if n:
             self.token_times.extend([now] * n)
-        if _USAGE.search(events):
-            for line in events.split(b"\n"):
-                if line.startswith(b"data: {") and _USAGE.search(line):
-                    try:
-                        self.usage = json.loads(line[6:]).get("usage") or self.usage
-                    except ValueError:
-                        pass
+        if b'"usage":' not in events or _USAGE.search(events) is None:  # (most events: a byte search only)
+            return False
+        for line in events.split(b"\n"):
+            if line.startswith(b"data: {") and _USAGE.search(line):
+                try:
+                    self.usage = json.loads(line[6:]).get("usage") or self.usage
+                except ValueError:
+                    pass
+        return True
 
 
 def prefill_usage(usage: dict[str, Any], cached_tokens: int) -> dict[str, Any]:
@@ -145,14 +148,15 @@ class UpstreamStream(Response):
             self.on_done(tally)  # synchronous: runs to the end even while cancelled
 
     async def _pump(self, send) -> None:
-        tally, content = self.tally, self.resp.content
+        tally, content, cached = self.tally, self.resp.content, self.prefill_cached_tokens
+        deadline = ReadDeadline(self.idle_timeout_s)
         buf = b""
         try:
             while True:
-                # asyncio.timeout, not wait_for: on 3.11 wait_for drops a cancellation arriving with
-                # the engine's next bytes, and a stream the server stops would forward on, to be cut
-                async with asyncio.timeout(self.idle_timeout_s):
-                    chunk = await content.readany()
+                # a deadline on each read, not asyncio.timeout: that cost a timer per token event
+                # (wait_for too, and on 3.11 it drops a cancellation arriving with the engine's
+                # next bytes: a stream the server stops would forward on, to be cut)
+                chunk = await deadline.read(content)
                 if not chunk:
                     break
                 buf += chunk
@@ -160,9 +164,8 @@ class UpstreamStream(Response):
                 if cut < 0:
                     continue
                 events, buf = buf[: cut + 2], buf[cut + 2 :]
-                tally.scan_events(events, time.monotonic())
-                if self.prefill_cached_tokens is not None and _USAGE.search(events):
-                    events = rewrite_usage(events, self.prefill_cached_tokens)
+                if tally.scan_events(events, time.monotonic()) and cached is not None:
+                    events = rewrite_usage(events, cached)
                 await send({"type": "http.response.body", "body": events, "more_body": True})
         except asyncio.TimeoutError:
             tally.error = "upstream timeout mid-stream"
@@ -174,8 +177,52 @@ class UpstreamStream(Response):
             await send({"type": "http.response.body", "body": sse_error(502, tally.error, "upstream_failed"),
                         "more_body": True})
             return
+        finally:
+            deadline.close()
         if buf:  # an engine that ended without a final blank line
-            tally.scan_events(buf, time.monotonic())
-            if self.prefill_cached_tokens is not None and _USAGE.search(buf):
-                buf = rewrite_usage(buf, self.prefill_cached_tokens)
+            if tally.scan_events(buf, time.monotonic()) and cached is not None:
+                buf = rewrite_usage(buf, cached)
             await send({"type": "http.response.body", "body": buf, "more_body": True})
+
+
+class ReadDeadline:
+    """What ``asyncio.timeout(idle_s)`` around each read of a stream does (the task cancelled
+    when one read outlasts ``idle_s``, TimeoutError out of that read), with one timer for the
+    whole stream instead of one per read: the timer is moved on only when it fires before the
+    read then under way is due, at most once per ``idle_s``. Time between reads (the forwarding)
+    is not counted. Made, used and closed in one task."""
+
+    __slots__ = ("loop", "task", "idle_s", "since", "expired", "cancelling", "timer")
+
+    def __init__(self, idle_s: float):
+        task = asyncio.current_task()
+        assert task is not None
+        self.loop, self.task, self.idle_s = asyncio.get_running_loop(), task, idle_s
+        self.since: float | None = None  # when the read under way started; None between reads
+        self.expired = False
+        self.cancelling = self.task.cancelling()  # as asyncio.timeout: a cancellation of ours only
+        self.timer: asyncio.TimerHandle | None = self.loop.call_at(self.loop.time() + idle_s, self._due)
+
+    async def read(self, content: aiohttp.StreamReader) -> bytes:
+        self.since = self.loop.time()
+        try:
+            return await content.readany()
+        except asyncio.CancelledError as e:
+            if self.expired and self.task.uncancel() <= self.cancelling:
+                raise asyncio.TimeoutError from e
+            raise
+        finally:
+            self.since = None
+
+    def _due(self) -> None:
+        now, since = self.loop.time(), self.since
+        if since is not None and now >= since + self.idle_s:
+            self.timer, self.expired = None, True
+            self.task.cancel()
+            return
+        self.timer = self.loop.call_at((now if since is None else since) + self.idle_s, self._due)
+
+    def close(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None

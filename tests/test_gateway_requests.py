@@ -119,3 +119,47 @@ def test_in_band_engine_error_is_not_a_success():
     t = StreamTally()
     t.scan_events(b'data: {"error": {"message": "boom"}}\n\ndata: [DONE]\n\n', 1.0)
     assert t.error and t.done
+
+
+def test_load_polls_read_the_same_sample_from_a_whole_metrics_page_as_the_full_parser():
+    """The parsers filter a page down to the gauges they read before parsing it: on a page of
+    histograms, counters, several DP engines, lookalike names and label values holding spaces,
+    braces and escaped quotes, the sample equals the one the whole page parsed gives."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+    from engines_adapters.drivers import sglang, vllm
+
+    def page(prefix: str, gauges: list[str]) -> str:
+        r = CollectorRegistry()
+        labels = ["model_name", "engine"]
+        values = [("m {odd}", "0"), ('q"uote\\d', "1")]
+        for i, name in enumerate(gauges):
+            g = Gauge(name, "doc", labels, registry=r)
+            for j, lv in enumerate(values):
+                g.labels(*lv).set(i + 1 + j)
+            look = Gauge(name + "_lookalike", "doc", labels, registry=r)  # a longer name, never read
+            look.labels(*values[0]).set(1000)
+        h = Histogram(prefix + "time_to_first_token_seconds", "doc", labels, registry=r)
+        c = Counter(prefix + "prompt_tokens", "doc", labels, registry=r)
+        for lv in values:
+            for x in (0.01, 0.3, 7.0):
+                h.labels(*lv).observe(x)
+            c.labels(*lv).inc(123)
+        return generate_latest(r).decode()
+
+    text = page("vllm:", ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"])
+    text += ('vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="100"} 1.0\n'
+             'vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="50"} 1.0\n')
+    stext = page("sglang:", ["sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage",
+                             "sglang:max_total_num_tokens", "sglang:num_decode_prealloc_queue_reqs",
+                             "sglang:num_decode_transfer_queue_reqs"])
+    filtered = vllm.parse_vllm_metrics(text), sglang.parse_sglang_metrics(stext)
+    assert (filtered[0].running, filtered[0].waiting, filtered[0].kv_capacity_tokens) == (3, 5, 2400)
+    assert (filtered[1].running, filtered[1].kv_usage) == (3, 4)
+    whole = pytest.MonkeyPatch()
+    whole.setattr(vllm, "_LOAD_SAMPLES", lambda t: t)
+    whole.setattr(sglang, "_LOAD_SAMPLES", lambda t: t)
+    try:
+        assert filtered == (vllm.parse_vllm_metrics(text), sglang.parse_sglang_metrics(stext))
+    finally:
+        whole.undo()

@@ -248,3 +248,44 @@ def test_idle_probe_recovers_a_lost_tail_without_later_batches(endpoints):
             assert env.sub.stats.tail_recoveries >= 1 and env.sub.stats.rebuilds == 0
 
     run_case(case())
+
+
+def test_the_sockets_fd_wakes_the_subscriber_for_a_batch_and_is_quiet_while_idle(endpoints):
+    """The loop watches the SUB socket's FD itself: a batch arriving wakes the waiting
+    subscriber through it (not only the bounded wait's timer), and an idle socket's FD does not
+    call back turn after turn (ZMQ's FD stays readable until EVENTS is read)."""
+    ep, rep = endpoints
+
+    class Counting(KVEventSubscriber):
+        fd_calls = woke = 0
+
+        def _on_fd(self, sub) -> None:
+            self.fd_calls += 1
+            waiting = self._waiter is not None and not self._waiter.done()
+            super()._on_fd(sub)
+            self.woke += waiting and self._waiter.done()
+
+    async def case():
+        index, ctx, pub = HitIndex(BS), zmq.asyncio.Context(), KVEventPublisher(ep, rep)
+        index.register("e")
+        sub = Counting(ctx, "e", ep, index, replay_endpoint=rep, idle_probe_s=60)
+        task = asyncio.create_task(sub.run())
+        pub.start()
+        try:
+            batches = chain(2, salt=9)
+            pub.publish(time.time(), [batches[0][1]])
+            await nudge_until(pub, lambda: held_blocks(index, batches[0][0]) == 1)
+            calls = sub.fd_calls
+            await asyncio.sleep(0.3)  # idle: a spinning callback would run thousands of times
+            assert sub.fd_calls - calls < 20
+            woke = sub.woke
+            pub.publish(time.time(), [batches[1][1]])
+            await until(lambda: held_blocks(index, batches[1][0]) == 2)
+            await nudge_until(pub, lambda: sub.woke > woke)  # (a batch can land between two waits)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            pub.close()
+            ctx.term()
+
+    run_case(case())

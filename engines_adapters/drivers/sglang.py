@@ -25,11 +25,17 @@ from urllib.parse import urlsplit
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from engines_adapters.drivers.base import DecodeResponse, LoadSample, Pair, PairHooks, PairRequest
+from engines_adapters.drivers.base import DecodeResponse, LoadSample, Pair, PairHooks, PairRequest, metric_samples
 from engines_adapters.drivers.dual import dual_dispatch, one_leg
 
 DEFAULT_BOOTSTRAP_PORT = 8998
 MAX_ROOM = 2**63 - 1
+
+
+#: the samples :func:`parse_sglang_metrics` reads (the others are never parsed)
+_LOAD_SAMPLES = metric_samples([f"sglang:{n}" for n in (
+    "token_usage", "num_running_reqs", "num_queue_reqs", "num_decode_prealloc_queue_reqs",
+    "num_decode_transfer_queue_reqs", "max_total_num_tokens")])
 
 
 def parse_sglang_metrics(text: str) -> LoadSample:
@@ -38,7 +44,7 @@ def parse_sglang_metrics(text: str) -> LoadSample:
     is ``sglang:max_total_num_tokens``."""
     vals: dict[str, float] = {}
     usage = 0.0
-    for fam in text_string_to_metric_families(text):
+    for fam in text_string_to_metric_families(_LOAD_SAMPLES(text)):
         for s in fam.samples:
             if s.name == "sglang:token_usage":
                 usage = max(usage, s.value)

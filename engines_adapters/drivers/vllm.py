@@ -20,7 +20,15 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from engines_adapters.drivers.base import DecodeResponse, LoadSample, Pair, PairHooks, PairRequest, UpstreamHTTPError
+from engines_adapters.drivers.base import (
+    DecodeResponse,
+    LoadSample,
+    Pair,
+    PairHooks,
+    PairRequest,
+    UpstreamHTTPError,
+    metric_samples,
+)
 
 #: A decode leg refused with one of these after a prefill leg has lost (or never had) its KV.
 KV_LOST = (404, 409, 410)
@@ -54,13 +62,18 @@ def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any] | None)
     return b
 
 
+#: the samples :func:`parse_vllm_metrics` reads (the others are never parsed)
+_LOAD_SAMPLES = metric_samples(("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                                "vllm:gpu_cache_usage_perc", "vllm:cache_config_info"))
+
+
 def parse_vllm_metrics(text: str) -> LoadSample:
     """vLLM's request gauges summed over label sets (models, DP engines), KV usage the highest;
     older names (gpu_cache_usage_perc) accepted; the KV capacity in tokens from
     ``vllm:cache_config_info`` (num_gpu_blocks x block_size), summed over DP engines."""
     vals: dict[str, float] = {}
     capacity: int | None = None
-    for fam in text_string_to_metric_families(text):
+    for fam in text_string_to_metric_families(_LOAD_SAMPLES(text)):
         for s in fam.samples:
             if s.name == "vllm:cache_config_info":  # labels carry the config; one set per DP engine
                 tokens = _cache_tokens(s.labels)
