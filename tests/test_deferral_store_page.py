@@ -83,3 +83,15 @@ def test_transfers_split_the_pulled_tokens_by_source_over_completed_requests():
             RequestRecord("c", 0.0, prompt_tokens=100, status="rejected", transfer_tokens=50, transfer_from="store"),
             RequestRecord("d", 0.0, prompt_tokens=100, status="ok")]
     assert D.transfers(recs) == {"prompt_tokens": 300, "store_tokens": 40, "peer_tokens": 30}
+
+
+def test_follow_up_rows_name_the_store_mode_and_the_loads_from_the_store():
+    res = _results()
+    f = {"follow_ups": 10, "follow_met": 0.7, "follow_refused": 0.2, "new": 90, "new_met": 0.8,
+         "same_instance": 0.5, "pairs": 8, "pulled": 12}
+    res[0]["points"][0]["follow"] = {"on conductor + defer": f, "off prefix_only": {**f, "pulled": 0}}
+    page = S.render(res, _args(), "cmd")
+    assert _row(page, "| conversation | 5 s | 8x | **on conductor + defer**")[4:] == [
+        "70.0% (n 10)", "20.0%", "80.0% (n 90)", "50.0% (n 8)", "12"]
+    assert _row(page, "| conversation | 5 s | 8x | off prefix_only")[-1] == "0"
+    assert "**Follow-ups**" not in S.render(_results(), _args(), "cmd")

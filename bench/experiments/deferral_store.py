@@ -25,8 +25,10 @@ from typing import Any
 import _common as C
 import baselines as B
 import deferral as D
+import future_value as F
 
 from engines_adapters.store.model import StoreSpec  # noqa: E402
+from predictors.telemetry import SLO  # noqa: E402
 
 PAGE = "deferral-store"
 # (TTFT SLO, load): where conductor + the tuned deferral is short of 1.2x in deferral.md
@@ -74,7 +76,7 @@ def evaluate(name: str, a: argparse.Namespace) -> dict[str, Any]:
     """Each point's runs with the store and, with ``a.rerun_off``, the same runs without it."""
     spec_off, _, eval_w, _, model_dir = B.calibrated_world(name, a, "deferral")  # deferral.md's predictors
     spec_on = dataclasses.replace(spec_off, store=StoreSpec(nodes=a.prefill + a.decode))
-    points = []
+    points, follows = [], F.follow_ups(eval_w)
     for ttft, load in POINTS[name]:
         out = C.OUT / PAGE / name / f"ttft{ttft:g}-{load:g}"
         runs: dict[str, dict[str, Any]] = {"on": {}, "off": {}}
@@ -92,8 +94,12 @@ def evaluate(name: str, a: argparse.Namespace) -> dict[str, Any]:
                 runs[mode][label] = v
                 print(f"  {name} {ttft:g}s {load:g} store {mode}: {label} {v['slo_attainment']:.3f} "
                       f"hit {v['hit_ratio']:.3f}", file=sys.stderr, flush=True)
+        slo = SLO(ttft, a.slo_tbt_ms / 1000)
+        follow = {f"{mode} {label}": F.follow_up_stats(out / (slug(label) if mode == "on" else f"off-{slug(label)}"),
+                                                       follows, slo)
+                  for mode in runs for label in runs[mode]}
         points.append({"ttft_s": ttft, "load": load, "runs": runs["on"], "rerun_off": runs["off"],
-                       "store_off": store_off(name, ttft, load)})
+                       "store_off": store_off(name, ttft, load), "follow": follow})
     return {"workload": name, "eval": len(eval_w.requests), "points": points}
 
 
@@ -143,6 +149,16 @@ def render(results: list[dict[str, Any]], a: Any, command: str) -> str:
                 hrows.append([*lbl, f"**{k}**" if k.startswith("conductor") else k, C.pct(v["slo_attainment"]),
                               C.pct(hit), C.pct(store), "-" if not hit else f"{store / hit:.0%}",
                               t.get("peer_tokens", "-"), *_off_cells(v, rerun.get(k), off.get(k))])
+    frows = [[r["workload"], f"{pt['ttft_s']:g} s", D.load_label(r["workload"], pt["load"]),
+              f"**{k}**" if k.split(" ", 1)[1].startswith("conductor") else k,
+              f"{C.pct(f['follow_met'])} (n {f['follow_ups']})", C.pct(f["follow_refused"]),
+              f"{C.pct(f['new_met'])} (n {f['new']})", f"{C.pct(f['same_instance'])} (n {f['pairs']})",
+              f["pulled"]] for r in results for pt in r["points"] for k, f in pt.get("follow", {}).items()]
+    follow = "" if not frows else "\n**Follow-ups** (as [future-value.md](future-value.md): a request continuing " \
+        "more than 25% of its prompt beyond the common prefix; store on / off):\n\n" + C.md_table(
+            ["workload", "TTFT SLO", "load", "store, run", "follow-ups meeting the SLO", "follow-ups refused",
+             "new requests meeting it", "follow-ups on their earlier request's instance",
+             "completed requests that loaded from the store"], frows)
     summary = C.md_table(["workload", "TTFT SLO", "load", "best other (store on)", "best other incl. + defer",
                           "conductor", "conductor + defer", "conductor / best other",
                           "conductor + defer / best other", "conductor + defer / best incl. + defer",
@@ -180,4 +196,4 @@ conductor and deferral.md's best other were run).
 store = the tokens each decision had loaded from the store, over the completed requests' prompt tokens;
 peer-pulled: tokens the decisions pulled from another prefill instance):
 
-{hits}"""
+{hits}{follow}"""
