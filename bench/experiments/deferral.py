@@ -5,7 +5,7 @@ goodput-bound.md does not exclude 1.2x (issue 15).
         [--workloads conversation,azure_code,synthetic] [--reuse-models] [--from-results]
         [--tune-only [--row SETTING ...] [--point TTFT@LOAD ...]] [--setting S [--floor-setting F ...]]
         [--floor-only --floor-setting F ...]
-        [--store [--baseline-defer POLICY ...] [--rerun-off]] (the shared store at the short points: deferral_store.py)
+        [--store [--baseline-defer POLICY ...] [--rerun-off all|missing] [--store-models]]
 
 Per workload, as goodput_curves.py: predictors calibrated on telemetry of the *training* slice;
 the deferral setting tuned there (conductor with defer on, each setting of the grid at each of the
@@ -401,8 +401,12 @@ def main() -> None:
                         "writes deferral-store.md (bench/experiments/deferral_store.py)")
     p.add_argument("--baseline-defer", action="append", default=[], metavar="POLICY",
                    help="with --store: also run this baseline with the tuned deferral (repeatable)")
-    p.add_argument("--rerun-off", action="store_true",
-                   help="with --store: also rerun every run without the store (same predictors and slice)")
+    p.add_argument("--rerun-off", choices=["all", "missing"], default=None,
+                   help="with --store: also rerun without the store (same predictors and slice) every run, or only "
+                        "those missing from this page's results.json")
+    p.add_argument("--store-models", action="store_true",
+                   help="with --store: the same runs with predictors calibrated with the store on; a printed table, "
+                        "no page")
     a = p.parse_args()
     if a.store:
         store_page(a)
@@ -458,6 +462,11 @@ def store_page(a: argparse.Namespace) -> None:
     """--store: deferral-store.md (its runs, or re-rendered from its results.json)."""
     import deferral_store as S
 
+    if a.store_models:
+        rows = [row for n in a.workloads.split(",") if n in S.POINTS for row in S.store_models(n, a)]
+        print(C.md_table(["workload", "TTFT SLO", "load", "run (store on, store-calibrated predictors)", "attainment",
+                          "/ best other", "prefix hit", "from the store", "deadline"], rows))
+        return
     if a.from_results:
         saved = json.loads((C.DOCS / S.PAGE / "results.json").read_text())
         results, command = saved["results"], saved["command"]

@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 import _common as C
@@ -28,6 +29,7 @@ import deferral as D
 import future_value as F
 
 from engines_adapters.store.model import StoreSpec  # noqa: E402
+from predictors.calibrate import calibrate  # noqa: E402
 from predictors.telemetry import SLO  # noqa: E402
 
 PAGE = "deferral-store"
@@ -73,25 +75,21 @@ def store_off(name: str, ttft: float, load: float) -> dict[str, dict[str, float]
 
 
 def evaluate(name: str, a: argparse.Namespace) -> dict[str, Any]:
-    """Each point's runs with the store and, with ``a.rerun_off``, the same runs without it."""
+    """Each point's runs with the store and, with ``a.rerun_off``, the same runs without it ("missing":
+    only those deferral/results.json lacks)."""
     spec_off, _, eval_w, _, model_dir = B.calibrated_world(name, a, "deferral")  # deferral.md's predictors
     spec_on = dataclasses.replace(spec_off, store=StoreSpec(nodes=a.prefill + a.decode))
     points, follows = [], F.follow_ups(eval_w)
     for ttft, load in POINTS[name]:
         out = C.OUT / PAGE / name / f"ttft{ttft:g}-{load:g}"
         runs: dict[str, dict[str, Any]] = {"on": {}, "off": {}}
+        stored = store_off(name, ttft, load)
         for mode, spec in [("on", spec_on), *([("off", spec_off)] if a.rerun_off else [])]:
             for label, policy, defer in labels(name, a.baseline_defer):
+                if mode == "off" and a.rerun_off == "missing" and label in stored:
+                    continue
                 path = out / (slug(label) if mode == "on" else f"off-{slug(label)}")
-                key = {"policy": policy, "defer": D.defer_params(defer), "eval": len(eval_w.requests),
-                       "store": None if spec.store is None else dataclasses.asdict(spec.store)}
-                cache = path.with_suffix(".json")
-                if a.reuse_models and cache.exists() and json.loads(cache.read_text())["key"] == key:
-                    v = json.loads(cache.read_text())["summary"]
-                else:
-                    v = D._run((eval_w, spec, policy, load, ttft, a.slo_tbt_ms, str(model_dir), defer, str(path)))
-                    C.save_json(cache, {"key": key, "summary": v})
-                runs[mode][label] = v
+                v = runs[mode][label] = cached_run(a, eval_w, spec, policy, (ttft, load), str(model_dir), defer, path)
                 print(f"  {name} {ttft:g}s {load:g} store {mode}: {label} {v['slo_attainment']:.3f} "
                       f"hit {v['hit_ratio']:.3f}", file=sys.stderr, flush=True)
         slo = SLO(ttft, a.slo_tbt_ms / 1000)
@@ -99,8 +97,49 @@ def evaluate(name: str, a: argparse.Namespace) -> dict[str, Any]:
                                                        follows, slo)
                   for mode in runs for label in runs[mode]}
         points.append({"ttft_s": ttft, "load": load, "runs": runs["on"], "rerun_off": runs["off"],
-                       "store_off": store_off(name, ttft, load), "follow": follow})
+                       "store_off": stored, "follow": follow})
     return {"workload": name, "eval": len(eval_w.requests), "points": points}
+
+
+def cached_run(a: argparse.Namespace, w: Any, spec: Any, policy: str, point: tuple[float, float], model_dir: str,
+               defer: str | None, path: Path, **tag: str) -> dict[str, Any]:
+    """One run's summary (deferral.py's), kept in ``path``.json and reused with --reuse-models
+    (``tag``: more of what made it, in its key)."""
+    key = {"policy": policy, "defer": D.defer_params(defer), "eval": len(w.requests),
+           "store": None if spec.store is None else dataclasses.asdict(spec.store), **tag}
+    cache = path.with_suffix(".json")
+    if a.reuse_models and cache.exists() and json.loads(cache.read_text())["key"] == key:
+        return dict(json.loads(cache.read_text())["summary"])
+    v = D._run((w, spec, policy, point[1], point[0], a.slo_tbt_ms, model_dir, defer, str(path)))
+    C.save_json(cache, {"key": key, "summary": v})
+    return v
+
+
+def store_models(name: str, a: argparse.Namespace) -> list[list[str]]:
+    """--store-models: the same runs with the store on, the predictors calibrated with the store on
+    (as baselines.py --store: a learned store term that reads the store's traffic) instead of
+    deferral.md's; rows of a printed table, no page."""
+    spec = dataclasses.replace(C.cluster(a.prefill, a.decode), profile=B.PROFILE,
+                               store=StoreSpec(nodes=a.prefill + a.decode))
+    train_w, eval_w = B.slices(name, a.train, a.eval)
+    mdir = C.OUT / PAGE / name / "models-store"
+    if not (a.reuse_models and (mdir / "models.json").exists()):
+        calibrate(B.telemetry(train_w, spec, SLO(5.0, a.slo_tbt_ms / 1000), B.TRAIN_LOADS[name]), str(mdir),
+                  holdout="random", draw=False)
+    rows = []
+    for ttft, load in POINTS[name]:
+        out = C.OUT / PAGE / name / f"ttft{ttft:g}-{load:g}"
+        runs = {label: cached_run(a, eval_w, spec, policy, (ttft, load), str(mdir), defer, out / f"cal-{slug(label)}",
+                                  models="store")
+                for label, policy, defer in labels(name, a.baseline_defer)}
+        b = runs[best_other(runs)]["slo_attainment"]
+        for k, v in runs.items():
+            t = v["transfers"]
+            rows.append([name, f"{ttft:g} s", D.load_label(name, load), k, C.pct(v["slo_attainment"]),
+                         f"{v['slo_attainment'] / max(b, 1e-9):.2f}x", C.pct(v["hit_ratio"]),
+                         C.pct(t["store_tokens"] / max(t["prompt_tokens"], 1)), v["deadline"]])
+            print("  " + " | ".join(map(str, rows[-1])), file=sys.stderr, flush=True)
+    return rows
 
 
 def best_other(runs: dict[str, Any], defer: bool = False) -> str:
