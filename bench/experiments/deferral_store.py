@@ -148,46 +148,44 @@ def best_other(runs: dict[str, Any], defer: bool = False) -> str:
     return max(others, key=lambda k: runs[k]["slo_attainment"] or 0)
 
 
-def ratio(runs: dict[str, Any], label: str = "conductor + defer") -> str:
-    """``label``'s attainment over the best other run's without deferral, and which that was."""
-    others = [k for k in runs if not k.startswith("conductor") and not k.endswith(" + defer")]
-    if label not in runs or not others:
+def ratio(runs: dict[str, Any], label: str = "conductor + defer", defer: bool = False) -> str:
+    """``label``'s attainment over the best other run's (``defer``: with or without deferral),
+    and which that was."""
+    if label not in runs or not any(not k.startswith("conductor") for k in runs):
         return "-"
-    bo = best_other(runs)
+    bo = best_other(runs, defer)
     return f"{runs[label]['slo_attainment'] / max(runs[bo]['slo_attainment'], 1e-9):.2f}x ({bo})"
 
 
-def _off_cells(v: dict[str, Any], rerun: dict[str, Any] | None, stored: dict[str, Any] | None) -> list[str]:
-    """A run's store-off figures: this page's rerun, deferral.md's, and what the store added."""
-    pulled = "-" if rerun is None else str(sum(rerun.get("transfers", {}).get(k, 0)
-                                                for k in ("store_tokens", "peer_tokens")))
-    base = rerun or stored
-    gain = "-" if base is None else f"{100 * ((v['slo_attainment'] or 0) - (base['slo_attainment'] or 0)):+.1f}"
-    was = "-" if stored is None else C.pct(stored["slo_attainment"])
-    if rerun is None:
-        return ["-", "-", pulled, was, gain]
-    return [C.pct(rerun["slo_attainment"]), C.pct(rerun["hit_ratio"]), pulled, was, gain]
+def _off_cells(v: dict[str, Any], off: dict[str, Any] | None, rerun: bool) -> list[str]:
+    """A run's store-off figures (where from) and what the store added."""
+    if off is None:
+        return ["-", "-", "-", "-"]
+    pulled = sum(off.get("transfers", {}).get(k, 0) for k in ("store_tokens", "peer_tokens")) if rerun else "-"
+    return [C.pct(off["slo_attainment"]), C.pct(off["hit_ratio"]), f"{pulled} ({'rerun' if rerun else 'deferral.md'})",
+            f"{100 * ((v['slo_attainment'] or 0) - (off['slo_attainment'] or 0)):+.1f}"]
 
 
 def render(results: list[dict[str, Any]], a: Any, command: str) -> str:
     rows, hrows = [], []
     for r in results:
         for pt in r["points"]:
-            runs, off, rerun = pt["runs"], pt["store_off"], pt.get("rerun_off", {})
+            rerun = pt.get("rerun_off", {})
+            runs, off = pt["runs"], {**pt["store_off"], **rerun}  # without the store: deferral.md's or rerun here
             lbl = [r["workload"], f"{pt['ttft_s']:g} s", D.load_label(r["workload"], pt["load"])]
             bo, bd = best_other(runs), best_other(runs, defer=True)
             b, bany = runs[bo]["slo_attainment"], runs[bd]["slo_attainment"]
             cu, co = runs["conductor"]["slo_attainment"], runs["conductor + defer"]["slo_attainment"]
             rows.append([*lbl, f"{bo} {C.pct(b)}", f"{bd} {C.pct(bany)}", C.pct(cu), f"**{C.pct(co)}**",
                          f"{cu / max(b, 1e-9):.2f}x", f"**{co / max(b, 1e-9):.2f}x**", f"{co / max(bany, 1e-9):.2f}x",
-                         ratio(rerun, "conductor"), ratio(rerun), ratio(off)])
+                         ratio(off, "conductor"), ratio(off), ratio(off, defer=True)])
             for k, v in runs.items():
                 t = v.get("transfers", {})
                 store = t.get("store_tokens", 0) / max(t.get("prompt_tokens", 0), 1)
                 hit = v["hit_ratio"] or 0
                 hrows.append([*lbl, f"**{k}**" if k.startswith("conductor") else k, C.pct(v["slo_attainment"]),
                               C.pct(hit), C.pct(store), "-" if not hit else f"{store / hit:.0%}",
-                              t.get("peer_tokens", "-"), *_off_cells(v, rerun.get(k), off.get(k))])
+                              t.get("peer_tokens", "-"), *_off_cells(v, off.get(k), k in rerun)])
     frows = [[r["workload"], f"{pt['ttft_s']:g} s", D.load_label(r["workload"], pt["load"]),
               f"**{k}**" if k.split(" ", 1)[1].startswith("conductor") else k,
               f"{C.pct(f['follow_met'])} (n {f['follow_ups']})", C.pct(f["follow_refused"]),
@@ -201,13 +199,12 @@ def render(results: list[dict[str, Any]], a: Any, command: str) -> str:
     summary = C.md_table(["workload", "TTFT SLO", "load", "best other (store on)", "best other incl. + defer",
                           "conductor", "conductor + defer", "conductor / best other",
                           "conductor + defer / best other", "conductor + defer / best incl. + defer",
-                          "store off (rerun): conductor / best other",
-                          "store off (rerun): conductor + defer / best other",
-                          "store off (deferral.md): conductor + defer / best other"], rows)
+                          "store off: conductor / best other", "store off: conductor + defer / best other",
+                          "store off: conductor + defer / best incl. + defer"], rows)
     hits = C.md_table(["workload", "TTFT SLO", "load", "run", "attainment (store on)", "prefix hit",
                        "from the store (share of prompt tokens)", "store share of the hit", "peer-pulled tokens",
-                       "attainment (store off, rerun)", "prefix hit (store off, rerun)", "pulled tokens (store off)",
-                       "attainment (store off, deferral.md)", "store gain (points)"], hrows)
+                       "attainment (store off)", "prefix hit (store off)", "pulled tokens (store off; from)",
+                       "store gain (points)"], hrows)
     store = StoreSpec(nodes=a.prefill + a.decode)
     return f"""
 **Command** (regenerates this block and results.json):
@@ -225,8 +222,9 @@ the policy). Only the points where conductor + deferral is short of 1.2x in defe
 deferred dispatch with deferral.md's tuned setting ({', '.join(f'{k}={v}' for k, v in D.defer_params(DEFER).items())}).
 "Best other" = the other policy with the best attainment in this run (store on), without deferral; "incl. +
 defer": also counting the baselines run with deferral. Ratios are attainment ratios at equal offered load
-(= goodput ratios). Store off: deferral/results.json (the same predictors and evaluation slice; there only
-conductor and deferral.md's best other were run).
+(= goodput ratios). Store off: deferral/results.json's runs (the same predictors and evaluation slice: conductor
+and its best other, each with and without deferral) and, for the baselines it lacks, reruns here without
+the store (`--rerun-off missing`); the best other without the store is the best of those.
 
 **SLO attainment, store on:**
 
