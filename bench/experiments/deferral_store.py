@@ -2,14 +2,17 @@
 no peer pulls" hypothesis, measured with the tuned deferral).
 
     .venv/bin/python bench/experiments/deferral.py --store --reuse-models --workers 1
-        [--workloads conversation,synthetic] [--baseline-defer POLICY ...] [--from-results]
+        [--workloads conversation,synthetic] [--baseline-defer POLICY ...] [--rerun-off all|missing]
+        [--store-models] [--from-results]
 
 The predictors are deferral.md's (its calibrated models in out/experiments/deferral/<workload>/models,
 calibrated without a store; recalibrated there when missing), so only the store differs from its runs.
 At each point where conductor + the tuned deferral is short of 1.2x in deferral.md, with
 ``StoreSpec(nodes=prefill+decode)`` (as baselines.py --store): conductor with deferral off and on,
 the best other policy of deferral.md at that point and the best-hit baselines, and (``--baseline-defer``)
-some of those with the same deferral. Beside them, the store-off figures of deferral/results.json.
+some of those with the same deferral. Beside them, the store-off figures of deferral/results.json and
+(``--rerun-off``) the same runs rerun without the store. ``--store-models``: the store-on runs again with
+predictors calibrated with the store on, printed (no page).
 Each run's summary is kept in out/experiments/deferral-store/<workload>/ttft<S>-<load>/<run>.json and
 reused with --reuse-models, so an interrupted grid resumes. Writes docs/experiments/deferral-store.md
 (+ results.json).
