@@ -5,6 +5,7 @@ goodput-bound.md does not exclude 1.2x (issue 15).
         [--workloads conversation,azure_code,synthetic] [--reuse-models] [--from-results]
         [--tune-only [--row SETTING ...] [--point TTFT@LOAD ...]] [--setting S [--floor-setting F ...]]
         [--floor-only --floor-setting F ...]
+        [--store [--baseline-defer POLICY ...] [--rerun-off all|missing] [--store-models]]
 
 Per workload, as goodput_curves.py: predictors calibrated on telemetry of the *training* slice;
 the deferral setting tuned there (conductor with defer on, each setting of the grid at each of the
@@ -118,7 +119,16 @@ def _run(job: tuple[Any, ...]) -> dict[str, Any]:
     summary, recs = O.sweep(w, spec, [policy], load, slo, model_dir, defer_params(horizon), 1,
                             None if out is None else Path(out))[policy]
     return {**summary, "quartiles": O.quartiles({"x": recs}, slo)["runs"]["x"],
-            "cuts": O.quartiles({"x": recs}, slo)["cuts"], **waits(recs, slo)}
+            "cuts": O.quartiles({"x": recs}, slo)["cuts"], **waits(recs, slo), "transfers": transfers(recs)}
+
+
+def transfers(recs: list[RequestRecord]) -> dict[str, int]:
+    """Prompt tokens of the completed requests, and of those the decisions pulled: from the shared
+    store, from a peer prefill instance (0 without a store: the simulator's conductor has no peer pulls)."""
+    ok = [r for r in recs if r.status == "ok"]
+    return {"prompt_tokens": sum(r.prompt_tokens for r in ok),
+            "store_tokens": sum(r.transfer_tokens for r in ok if r.transfer_from == "store"),
+            "peer_tokens": sum(r.transfer_tokens for r in ok if r.transfer_from not in (None, "store"))}
 
 
 def waits(recs: list[RequestRecord], slo: SLO) -> dict[str, Any]:
@@ -386,7 +396,21 @@ def main() -> None:
     p.add_argument("--floor-only", action="store_true",
                    help="with --floor-setting: only conductor with those settings on the evaluation slices, printed "
                         "against the page's results.json (its conductor runs, same calibration); no page")
+    p.add_argument("--store", action="store_true",
+                   help="with a shared KV store, at the points still short of 1.2x, reusing this page's models: "
+                        "writes deferral-store.md (bench/experiments/deferral_store.py)")
+    p.add_argument("--baseline-defer", action="append", default=[], metavar="POLICY",
+                   help="with --store: also run this baseline with the tuned deferral (repeatable)")
+    p.add_argument("--rerun-off", choices=["all", "missing"], default=None,
+                   help="with --store: also rerun without the store (same predictors and slice) every run, or only "
+                        "those missing from this page's results.json")
+    p.add_argument("--store-models", action="store_true",
+                   help="with --store: the same runs with predictors calibrated with the store on; a printed table, "
+                        "no page")
     a = p.parse_args()
+    if a.store:
+        store_page(a)
+        return
     if a.floor_only:
         if not a.floor_setting:
             p.error("--floor-only needs --floor-setting")
@@ -432,6 +456,28 @@ def main() -> None:
     C.write_doc(C.DOCS / f"{PAGE}.md", "Deferred dispatch (late binding) at the points where 1.2x is not excluded",
                 render(results, horizon, a, command, floors), DISCUSSION, command)
     print(f"wrote {C.DOCS / PAGE}.md")
+
+
+def store_page(a: argparse.Namespace) -> None:
+    """--store: deferral-store.md (its runs, or re-rendered from its results.json)."""
+    import deferral_store as S
+
+    if a.store_models:
+        rows = [row for n in a.workloads.split(",") if n in S.POINTS for row in S.store_models(n, a)]
+        print(C.md_table(["workload", "TTFT SLO", "load", "run (store on, store-calibrated predictors)", "attainment",
+                          "/ best other", "prefix hit", "from the store", "deadline"], rows))
+        return
+    if a.from_results:
+        saved = json.loads((C.DOCS / S.PAGE / "results.json").read_text())
+        results, command = saved["results"], saved["command"]
+    else:
+        results = [S.evaluate(n, a) for n in a.workloads.split(",") if n in S.POINTS]
+        command = C.command_line()
+    C.save_json(C.DOCS / S.PAGE / "results.json", {"command": command, "profile": B.PROFILE, "setting": S.DEFER,
+                                                   "results": results})
+    C.write_doc(C.DOCS / f"{S.PAGE}.md", "The shared KV store at the points where deferral is short of 1.2x",
+                S.render(results, a, command), DISCUSSION, command)
+    print(f"wrote {C.DOCS / S.PAGE}.md")
 
 
 if __name__ == "__main__":
