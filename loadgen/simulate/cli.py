@@ -63,6 +63,10 @@ def build_parser() -> Parser:
     st.add_argument("--store-write-back", action="store_true",
                     help="write blocks to the store when a device evicts them (HiCache's write_back), "
                          "not after every prefill")
+    c.add_argument("--peer-pull", action="store_true",
+                   help="prefill instances can fetch a prefix from another prefill instance (Mooncake's transfer "
+                        "engine; no vLLM or SGLang PD protocol can): conductor plans such pulls, the engines run "
+                        "them (not with --store)")
     s = p.add_argument_group("scheduler")
     s.add_argument("--policy", default="conductor", help=f"policy: {', '.join(POLICIES)}")
     s.add_argument("--policy-param", type=key_value, action="append", default=[], metavar="KEY=VALUE",
@@ -152,6 +156,8 @@ def main(argv: list[str]) -> int:
         raise CLIError("--predictors learned: give the model directory (conductor calibrate --out DIR)")
     if a.early_rejection and a.late_rejection:
         raise CLIError("--early-rejection and --late-rejection exclude each other")
+    if a.peer_pull and a.store:
+        raise CLIError("--peer-pull with --store is not modelled: use one or the other")
     policies, params = _policies(a)
     _check_out(a.out)
     store = _store_spec(a)
@@ -162,7 +168,8 @@ def main(argv: list[str]) -> int:
                           engine={"max_num_batched_tokens": a.max_num_batched_tokens, "max_num_seqs": a.max_num_seqs,
                                   "host_tier_tokens": a.host_tier_tokens},
                           store=store, store_blocks_per_object=a.store_blocks_per_object,
-                          store_policy="write_back" if a.store_write_back else "write_through")
+                          store_policy="write_back" if a.store_write_back else "write_through",
+                          peer_pull=a.peer_pull)
     sched = SchedulerSpec(policy=policies[0], policy_params=params, slo=w.slo, early_rejection=a.early_rejection,
                           late_rejection=a.late_rejection,
                           seed=a.seed)

@@ -15,6 +15,10 @@ What the live path does, modelled here step for step:
   prefill-capable engine writes its prompts through to it and loads from it what its own cache
   lacks (engines_adapters/store/connector.py), and each decision is told how many of the prompt's
   blocks the store holds now (the gateway's store tier with no event lag);
+* peer pulls (``ClusterSpec.peer_pull``, Mooncake's transfer engine; no vLLM or SGLang protocol has
+  one): a prefill instance sent with a plan to pull a prefix from another prefill instance loads
+  the blocks that instance still holds at dispatch, beyond its own, at the network bandwidth before
+  computing the rest; the source's NIC is not modelled as busy, nor its copy as pinned;
 * deferred dispatch (``defer=on`` among the policy parameters, scheduler/deferral.py): a request
   offered to the wait room may wait there; the room is pumped after every prefill finishes, on
   the load poll, and at its own next wake-up (a queue reaching the horizon, a deadline), and a
@@ -64,6 +68,9 @@ class ClusterSpec:
     store: StoreSpec | None = None  # a shared Mooncake-style KV store (None: none)
     store_blocks_per_object: int = 1  # KV blocks per store object (1: vLLM's MooncakeStoreConnector)
     store_policy: str = "write_through"  # or write_back: blocks go to the store when a device evicts them
+    # prefill instances can fetch a prefix from another prefill instance (conductor then plans such
+    # pulls; False: as the gateway, whose engines' PD protocols cannot)
+    peer_pull: bool = False
 
     def roles(self) -> list[tuple[str, Role]]:
         """(instance id, role), named as the embedded cluster names its engines."""
@@ -100,6 +107,10 @@ class SimCluster:
                  on_done: Callable[[RequestRecord], None] | None = None):
         self.spec, self.loop = spec, loop
         profile = load_profile(spec.profile)
+        if spec.peer_pull and spec.store is not None:
+            raise ValueError("peer pulls with a shared store are not modelled: use one or the other")
+        self._block_bytes = profile.kv_bytes_per_token * spec.block_size
+        self.peer_pulled_tokens = 0  # what peer pulls brought (engine-side, not the plans)
         self.instances: dict[str, SimInstance] = {}
         members = []
         self.store = StoreModel(spec.store) if spec.store is not None else None
@@ -118,8 +129,8 @@ class SimCluster:
             self.instances[iid] = SimInstance(iid, role, model, loop, self._on_step)
             members.append(Instance(iid, role, deployment=profile.deployment.name))
         params = dict(sched.policy_params)
-        if sched.policy.startswith("conductor"):  # as the gateway: engines cannot pull a prefix from a peer
-            params.setdefault("peer_pull", False)
+        if sched.policy.startswith("conductor"):  # as the gateway (engines cannot pull from a peer) unless modelled
+            params.setdefault("peer_pull", spec.peer_pull)
         self.scheduler = Scheduler(members, policy=sched.policy, slo=sched.slo, block_size=spec.block_size,
                                    clock=loop.clock, early_rejection=sched.early_rejection,
                                    late_rejection=sched.late_rejection, seed=sched.seed, admission=sched.admission,
@@ -165,9 +176,30 @@ class SimCluster:
             else:
                 lc.prefill_started()
                 live.prefill = self.instances[d.prefill]
-                live.prefill.add(SimRequest(rid, tokens, 1, output_len=1, hold_kv=True, block_hashes=live.hashes))
+                load, pulled = self.peer_pull(d, live.hashes)
+                if pulled:
+                    lc.record.extra["peer_pulled_tokens"] = pulled
+                live.prefill.add(SimRequest(rid, tokens, 1, output_len=1, hold_kv=True, block_hashes=live.hashes,
+                                            **load))
         except ValueError as e:  # the engine refuses it (e.g. longer than its context): a 400
             lc.finish("error", 400, f"engine_refused: {e}")
+
+    def peer_pull(self, d: Placement, hashes: list[int]) -> tuple[dict[str, Any], int]:
+        """A planned pull from another prefill instance as the engine's KV load (the fields a store
+        prefetch fills: the source's blocks of this prompt it still holds, beyond the puller's own),
+        and the tokens it brings."""
+        src = self.instances.get(d.transfer_from or "") if self.spec.peer_pull and d.transfer_tokens else None
+        if src is None or src.id == d.prefill:
+            return {}, 0
+        dst = self.instances[d.prefill].model
+        have = src.model.kv.match_gpu(hashes, min(d.hit_tokens // self.spec.block_size, len(hashes)))
+        own = dst.kv.match_gpu(hashes, have)
+        if have <= own:
+            return {}, 0
+        self.peer_pulled_tokens += (have - own) * self.spec.block_size
+        return {"store_blocks": have, "store_fetched": have - own,
+                "store_load_s": dst.transfer_latency_s + (have - own) * self._block_bytes / dst.net_bytes_per_s}, \
+            (have - own) * self.spec.block_size
 
     # --- the wait room (deferred dispatch) ----------------------------------------------
     def pump(self) -> None:
