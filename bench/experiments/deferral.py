@@ -124,7 +124,7 @@ def _run(job: tuple[Any, ...]) -> dict[str, Any]:
 
 def transfers(recs: list[RequestRecord]) -> dict[str, int]:
     """Prompt tokens of the completed requests, and of those the decisions pulled: from the shared
-    store, from a peer prefill instance (0 without a store: the simulator's conductor has no peer pulls)."""
+    store, from a peer prefill instance (0 unless the cluster models peer pulls: ``ClusterSpec.peer_pull``)."""
     ok = [r for r in recs if r.status == "ok"]
     return {"prompt_tokens": sum(r.prompt_tokens for r in ok),
             "store_tokens": sum(r.transfer_tokens for r in ok if r.transfer_from == "store"),
