@@ -141,3 +141,42 @@ def test_failed_requests_are_named_beside_the_table():
     assert rows[0][1] == "50.0% (1), 90.0% (2)" and rows[1][1] == "80.0% (2), 60.0% (1)"  # order reversed on odd
     assert rows[0][4] == "**1.00x** (over random)"
     assert L.errors_note([{**p, "errors": 0} for p in per]) == ""
+
+
+def test_one_at_a_time_runs_each_target_alone_in_loadgens_order_and_merges_the_steps(monkeypatch, tmp_path):
+    """--one-at-a-time: one gateway up per (repetition, target), listed order then reversed, every
+    gateway stopped before the next starts; the merged summary reads as one multi-target run."""
+    import json
+
+    events, up = [], set()
+
+    def start(policy, ttft_ms, a, cfg_dir):
+        assert not up, "a gateway is still up when the next starts"
+        up.add(policy)
+        events.append(policy)
+        return policy, f"http://127.0.0.1:1/{policy}"
+
+    def stop(*procs):
+        for p in procs:
+            up.discard(p)
+
+    def run(cmd, **kw):
+        out = cmd[cmd.index("--out") + 1]
+        assert cmd.count("--target") == 1 and cmd[cmd.index("--repeat") + 1] == "1"
+        policy = cmd[cmd.index("--target") + 1].rsplit("/", 1)[1]
+        os.makedirs(out)
+        met = {"conductor": 0.9, "random": 0.6}[policy] - 0.1 * len([e for e in events if e == policy])
+        step = {"step": 0, "slo_attainment": met, "rejected": 1, "errors": 0, "cached_tokens": {"hit_ratio": 0.5},
+                "ttft_s": {"p50": 1.0}, "goodput_rps": 2.0}
+        with open(os.path.join(out, "summary.json"), "w") as f:
+            json.dump({"steps": [step], "client_bottleneck": policy == "random"}, f)
+
+    monkeypatch.setattr(L, "start", start)
+    monkeypatch.setattr(L, "stop", stop)
+    monkeypatch.setattr(L.subprocess, "run", run)
+    a = _args("--one-at-a-time", "--repeat", "2", "--rivals", "random")
+    summary = L.one_at_a_time(["conductor", "random"], 30000.0, L.WORKLOADS["conversation"], a, tmp_path, tmp_path)
+    assert events == ["conductor", "random", "random", "conductor"] and not up
+    assert summary["client_bottleneck"] is True
+    per, rows = L.target_rows(["conductor", "random"], summary)
+    assert rows[0][1] == "80.0% (1), 70.0% (2)" and rows[1][1] == "50.0% (2), 40.0% (1)"

@@ -122,31 +122,59 @@ def loadgen_command(urls: list[str], w: LiveWorkload, ttft_ms: float, a: argpars
             "--slo-tbt-ms", f"{a.slo_tbt_ms:g}", "--seed", "0", "--out", str(out), "--quiet"]
 
 
+def start(policy: str, ttft_ms: float, a: argparse.Namespace, cfg_dir: Path) -> tuple[Any, str]:
+    base, _, variant = policy.partition("+")  # conductor+defer: conductor, deferred dispatch on
+    return C.start_gateway(cfg_dir, f"{policy}-{ttft_ms:g}", policy=base, store=False, admission=True,
+                           extra=health_config(a), prefill=a.prefill, decode=a.decode, ttft_ms=ttft_ms,
+                           tbt_ms=a.slo_tbt_ms, policy_params=defer_params(a, variant) if variant else None)
+
+
 def run_slo(policies: list[str], ttft_ms: float, w: LiveWorkload, a: argparse.Namespace,
             cfg_dir: Path) -> dict[str, Any]:
-    procs, urls = [], []
-    try:
-        for policy in policies:
-            base, _, variant = policy.partition("+")  # conductor+defer: conductor, deferred dispatch on
-            proc, url = C.start_gateway(cfg_dir, f"{policy}-{ttft_ms:g}", policy=base, store=False, admission=True,
-                                        extra=health_config(a),
-                                        prefill=a.prefill, decode=a.decode, ttft_ms=ttft_ms, tbt_ms=a.slo_tbt_ms,
-                                        policy_params=defer_params(a, variant) if variant else None)
-            procs.append(proc)
-            urls.append(url)
-        out = C.OUT / w.page / f"ttft-{ttft_ms:g}"
-        load_before = os.getloadavg()
-        t0 = time.monotonic()
-        subprocess.run(loadgen_command(urls, w, ttft_ms, a, out), cwd=C.ROOT, check=True)
-        wall = time.monotonic() - t0
-        load_after = os.getloadavg()
-    finally:
-        stop(*procs)
+    out = C.OUT / w.page / f"ttft-{ttft_ms:g}"
+    load_before = os.getloadavg()
+    t0 = time.monotonic()
+    if a.one_at_a_time:
+        summary = one_at_a_time(policies, ttft_ms, w, a, cfg_dir, out)
+    else:
+        procs = []
+        try:
+            for policy in policies:
+                procs.append(start(policy, ttft_ms, a, cfg_dir))
+            urls = [url for _, url in procs]
+            subprocess.run(loadgen_command(urls, w, ttft_ms, a, out), cwd=C.ROOT, check=True)
+        finally:
+            stop(*(proc for proc, _ in procs))
+        summary = json.loads((out / "summary.json").read_text())
+    wall = time.monotonic() - t0
+    load_after = os.getloadavg()
     print(f"  load average {load_before[0]:.2f} at the start, {load_after[0]:.2f} at the end", file=sys.stderr,
           flush=True)
-    return {"wall_s": wall, "summary": json.loads((out / "summary.json").read_text()),
-            "load_average": {"start": load_before, "end": load_after},
+    return {"wall_s": wall, "summary": summary, "load_average": {"start": load_before, "end": load_after},
             "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - wall))}
+
+
+def one_at_a_time(policies: list[str], ttft_ms: float, w: LiveWorkload, a: argparse.Namespace, cfg_dir: Path,
+                  out: Path) -> dict[str, Any]:
+    """--one-at-a-time: each (repetition, target) its own gateway and loadgen run, in loadgen's order
+    (listed on even repetitions, reversed on odd ones), so no idle cluster shares the cores with the one
+    under load; the runs' summaries merged as one multi-target loadgen run's."""
+    steps: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
+    bottleneck = False
+    for rep in range(a.repeat):
+        for policy in (policies if rep % 2 == 0 else policies[::-1]):
+            print(f"  [{rep + 1}/{a.repeat}] {policy}", file=sys.stderr, flush=True)
+            proc, url = start(policy, ttft_ms, a, cfg_dir)
+            run_out = out / f"rep{rep}-{policy}"
+            try:
+                cmd = loadgen_command([url], w, ttft_ms, argparse.Namespace(**{**vars(a), "repeat": 1}), run_out)
+                subprocess.run(cmd, cwd=C.ROOT, check=True)
+            finally:
+                stop(proc)
+            s = json.loads((run_out / "summary.json").read_text())
+            steps[policy].append({**s["steps"][0], "step": rep})
+            bottleneck = bottleneck or bool(s.get("client_bottleneck"))
+    return {"targets": [{"steps": steps[p]} for p in policies], "client_bottleneck": bottleneck}
 
 
 def target_rows(policies: list[str], summary: dict[str, Any]) -> tuple[list[dict[str, Any]], list[list[Any]]]:
@@ -203,6 +231,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--defer-b", action="append", type=key_value, default=[], metavar="KEY=VALUE",
                    help="with --defer: also run conductor+defer-b, conductor+defer with this parameter on top "
                         "(repeatable): an A/B of a deferral setting in the same run, e.g. defer_reeval_s=0.5")
+    p.add_argument("--one-at-a-time", action="store_true",
+                   help="one gateway up at a time: each repetition of each target its own gateway and loadgen run "
+                        "(same order), so the idle clusters of the other targets do not share the cores")
     p.add_argument("--health-timeout-s", type=float,
                    help="every gateway's health_timeout_s (default: the gateway's 0.8 s); on a crowded machine "
                         "a starved engine misses two probes and is ejected with its requests in progress")
@@ -271,6 +302,10 @@ def write_page(w: LiveWorkload, a: argparse.Namespace, results: dict[str, Any], 
     if a.defer_b:
         about += ("conductor+defer-b runs with conductor+defer's parameters plus `"
                   + " ".join(f"{k}={v}" for k, v in dict(a.defer_b).items()) + "`.\n")
+    if getattr(a, "one_at_a_time", False):
+        about += ("One gateway up at a time (`--one-at-a-time`): each repetition of each target starts its own "
+                  "gateway and cluster, runs `--repeat 1` against it alone and stops it, in the order above, so "
+                  "no idle cluster shares the cores.\n")
     if a.health_timeout_s is not None:
         about += (f"Every gateway probes its engines' health with a {a.health_timeout_s:g} s timeout (the default "
                   "0.8 s ejected a CPU-starved engine with its requests in progress).\n")
