@@ -9,10 +9,11 @@ prefix hit is 0, so nothing can be pulled), with deferral.md's calibrated models
 + the tuned deferral with peer pulls off (as deferral.md) and on (``ClusterSpec.peer_pull``: the
 policy plans pulls from a peer, the simulated engines run them), and the best other policy of
 deferral.md at that point with and without deferral (it plans no pull, so peer pulls change
-nothing for it), all rerun here; and conductor with pulls again with predictors calibrated the same way
-on telemetry in which conductor pulls (out/experiments/peer-pull/<workload>/models-pull). Beside them the reuse bound: one LRU over the prefill instances'
-KV, replaying the slice. Each run's summary is kept in out/experiments/peer-pull/ and reused with
---reuse-models. Writes docs/experiments/peer-pull.md (+ results.json).
+nothing for it), all rerun here; and conductor with pulls again with predictors calibrated the
+same way on telemetry in which conductor pulls (out/experiments/peer-pull/<workload>/models-pull).
+Beside them the reuse bound: one LRU over the prefill instances' KV, replaying the slice. Each
+run's summary is kept in out/experiments/peer-pull/ and reused with --reuse-models. Writes
+docs/experiments/peer-pull.md (+ results.json).
 """
 from __future__ import annotations
 
