@@ -302,7 +302,7 @@ def write_page(w: LiveWorkload, a: argparse.Namespace, results: dict[str, Any], 
     if a.defer_b:
         about += ("conductor+defer-b runs with conductor+defer's parameters plus `"
                   + " ".join(f"{k}={v}" for k, v in dict(a.defer_b).items()) + "`.\n")
-    if getattr(a, "one_at_a_time", False):
+    if a.one_at_a_time:
         about += ("One gateway up at a time (`--one-at-a-time`): each repetition of each target starts its own "
                   "gateway and cluster, runs `--repeat 1` against it alone and stops it, in the order above, so "
                   "no idle cluster shares the cores.\n")

@@ -154,7 +154,9 @@ would hit, replaying the slice in order): {bounds}.
 
 DISCUSSION = """## Discussion
 
-(to be written after the first run)
+Peer pulls change conductor's attainment by a few points either way at these points: the block's
+"pull gain" columns. Why, run by run, is written here by hand after each run (late admissions,
+prefix hit against the reuse bound, the pulled requests' TTFT prediction error).
 """
 
 

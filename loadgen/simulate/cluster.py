@@ -110,7 +110,7 @@ class SimCluster:
         if spec.peer_pull and spec.store is not None:
             raise ValueError("peer pulls with a shared store are not modelled: use one or the other")
         self._block_bytes = profile.kv_bytes_per_token * spec.block_size
-        self.peer_pulled_tokens = 0  # what peer pulls brought (engine-side, not the plans)
+        self.peer_pulled_tokens = 0  # what dispatched pulls bring (what the source held then, not the plans)
         self.instances: dict[str, SimInstance] = {}
         members = []
         self.store = StoreModel(spec.store) if spec.store is not None else None
@@ -196,10 +196,10 @@ class SimCluster:
         own = dst.kv.match_gpu(hashes, have)
         if have <= own:
             return {}, 0
-        self.peer_pulled_tokens += (have - own) * self.spec.block_size
-        return {"store_blocks": have, "store_fetched": have - own,
-                "store_load_s": dst.transfer_latency_s + (have - own) * self._block_bytes / dst.net_bytes_per_s}, \
-            (have - own) * self.spec.block_size
+        pulled = have - own
+        self.peer_pulled_tokens += pulled * self.spec.block_size
+        load_s = dst.transfer_latency_s + pulled * self._block_bytes / dst.net_bytes_per_s
+        return {"store_blocks": have, "store_fetched": pulled, "store_load_s": load_s}, pulled * self.spec.block_size
 
     # --- the wait room (deferred dispatch) ----------------------------------------------
     def pump(self) -> None:
