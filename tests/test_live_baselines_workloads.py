@@ -15,6 +15,7 @@ from loadgen.cli import build_parser
 from loadgen.synthetic import parse_dist, synthetic_workload
 from loadgen.workload_args import workload_from_args
 from scheduler.deferral import split_params
+from scheduler.deferral_params import DeferParams
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench", "experiments"))  # live_baselines imports _common by name
@@ -120,7 +121,57 @@ def test_defer_b_is_conductor_defer_with_its_parameters_on_top():
     assert room.enabled and room.scan == 8 and room.reeval_s == 0.5 and rest == {}
 
 
+def test_time_scale_stretches_the_load_and_the_slos_in_wall_time():
+    """At --time-scale T loadgen sends the same requests T times further apart (think times too),
+    and judges them against SLOs T times longer: the cluster sees the same load in modelled time."""
+    base, w1 = _workload_of("--workload", "synthetic", "--limit", "80", "--rate", "20")
+    la, w3 = _workload_of("--workload", "synthetic", "--limit", "80", "--rate", "20", "--time-scale", "3")
+    assert la.turn_gap == 3 * base.turn_gap and w3.loads == pytest.approx([20.0 / 3], rel=1e-11)
+    r1, r3 = w1.regenerate(20.0).requests, w3.regenerate(w3.loads[0]).requests
+    assert [(r.input_length, r.output_length, r.hash_ids) for r in r3] == [
+        (r.input_length, r.output_length, r.hash_ids) for r in r1]
+    assert [r.arrival_s for r in r3] == pytest.approx([3 * r.arrival_s for r in r1])
+    _, w = _workload_of("--workload", "azure_code", "--limit", "50", "--time-scale", "2")
+    assert w.loads == [L.WORKLOADS["azure_code"].load / 2]
+    cmd = L.loadgen_command(["http://127.0.0.1:1"], L.WORKLOADS["conversation"], 5000.0,
+                            _args("--time-scale", "2.5", "--slo-tbt-ms", "100"), L.C.OUT / "unused")
+    la = build_parser().parse_args(cmd[4:])
+    assert (la.slo_ttft_ms, la.slo_tbt_ms) == (12500.0, 250.0)
+
+
+def test_time_scale_reaches_each_gateway_with_its_slo_and_the_wait_rooms_seconds(monkeypatch, tmp_path):
+    import tests.servers
+
+    configs: dict[str, tuple] = {}
+
+    def serve(cfg, log, *flags, timeout_s):
+        with open(cfg, "rb") as f:
+            configs[os.path.basename(cfg)] = (parse_config(tomllib.load(f)), flags)
+        return None, "http://127.0.0.1:1"
+
+    monkeypatch.setattr(tests.servers, "serve", serve)
+    a = _args("--defer", "--defer-param", "defer_aging=0.05", "--defer-param", "defer_reeval_s=0.5",
+              "--time-scale", "4")
+    L.start("conductor+defer", 5000.0, a, tmp_path)
+    L.start("conductor", 5000.0, _args(), tmp_path)
+    (cfg, flags), (real, plain) = configs["conductor+defer-5000.toml"], configs["conductor-5000.toml"]
+    assert cfg.embedded.time_scale == 4.0 and real.embedded.time_scale == 1.0
+    assert (cfg.slo.ttft_s, cfg.slo.tbt_s) == (20.0, 0.8) and (real.slo.ttft_s, real.slo.tbt_s) == (5.0, 0.2)
+    room, rest = split_params(dict(f.split("=", 1) for f in flags if f != "--policy-param"))
+    assert room.enabled and room.horizon_s == 4 * DeferParams().horizon_s and room.reeval_s == 2.0
+    assert room.aging == 0.05 and rest == {}  # a ratio: the same at any time scale
+    assert plain == ()
+
+
+def test_time_scale_reports_modelled_seconds():
+    step = {"step": 0, "slo_attainment": 0.5, "rejected": 0, "errors": 0, "cached_tokens": {"hit_ratio": 0.5},
+            "ttft_s": {"p50": 8.0}, "goodput_rps": 2.0}
+    per, _ = L.target_rows(["conductor", "random"], {"targets": [{"steps": [step]}, {"steps": [step]}]}, 4.0)
+    assert per[0]["ttft_p50_s"] == [2.0] and per[0]["goodput_rps"] == [8.0] and per[0]["attainment"] == [0.5]
+
+
 @pytest.mark.parametrize("argv", [["--workload", "nope"], ["--speedup", "2", "--rate", "3"], ["--limit", "0"],
+                                  ["--time-scale", "0"],
                                   ["--health-timeout-s", "0"], ["--defer-param", "defer_scan=64"],
                                   ["--defer", "--defer-param", "defer_scan"], ["--defer-b", "defer_reeval_s=0.5"],
                                   ["--rivals", "conductor"]])

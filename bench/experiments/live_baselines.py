@@ -25,6 +25,13 @@ repetitions every target is as often early as late (a repeated load in compariso
 position bias issue 15 measured). One load and one SLO per ``--slo-ttft-ms`` value; the page is
 rewritten after each. ``--defer`` adds a target ``conductor+defer``: conductor with deferred
 dispatch (``--policy-param defer=on``, gateway/waiting.py).
+
+``--time-scale T`` runs the engines T times slower than real time (the embedded cluster's
+``time_scale``, as bench/live_vs_sim.py does) and stretches everything else to match: arrivals and
+think times T times wider, the SLOs and the wait room's seconds T times longer. The cluster then
+faces the same load in modelled time while the gateway and the client handle 1/T of the requests
+and tokens per wall second, so a 2-core machine measures placement rather than its own CPU; the
+page reports modelled seconds.
 """
 from __future__ import annotations
 
@@ -41,6 +48,7 @@ from typing import Any
 import _common as C
 
 from predictors.cli_args import key_value  # noqa: E402
+from scheduler.deferral_params import DeferParams  # noqa: E402
 from tests.servers import stop  # noqa: E402
 
 TRACE = "data/traces/mooncake_conversation_trace.jsonl"
@@ -103,11 +111,16 @@ WORKLOADS = {
 
 
 def workload_flags(w: LiveWorkload, a: argparse.Namespace) -> list[str]:
-    """The loadgen flags that choose the requests and the load (the run's own flags come after)."""
+    """The loadgen flags that choose the requests and the load (the run's own flags come after),
+    stretched ``--time-scale`` times in wall time: the load divided by it, think times multiplied."""
     load_flag, load = ("--rate", a.rate) if a.rate is not None else ("--speedup", a.speedup)
     if load is None:
         load_flag, load = w.load_flag, w.load
-    return [*w.source, w.count_flag, str(a.limit or w.requests), load_flag, f"{load:g}"]
+    source = list(w.source)
+    if "--turn-gap" in source:
+        k = source.index("--turn-gap") + 1
+        source[k] = f"{float(source[k]) * a.time_scale:.12g}"
+    return [*source, w.count_flag, str(a.limit or w.requests), load_flag, f"{load / a.time_scale:.12g}"]
 
 
 def health_config(a: argparse.Namespace) -> str:
@@ -118,15 +131,17 @@ def health_config(a: argparse.Namespace) -> str:
 def loadgen_command(urls: list[str], w: LiveWorkload, ttft_ms: float, a: argparse.Namespace,
                     out: Path) -> list[str]:
     return [sys.executable, "-m", "gateway.cli", "loadgen", *[x for u in urls for x in ("--target", u)],
-            *workload_flags(w, a), "--repeat", str(a.repeat), "--slo-ttft-ms", f"{ttft_ms:g}",
-            "--slo-tbt-ms", f"{a.slo_tbt_ms:g}", "--seed", "0", "--out", str(out), "--quiet"]
+            *workload_flags(w, a), "--repeat", str(a.repeat), "--slo-ttft-ms", f"{ttft_ms * a.time_scale:g}",
+            "--slo-tbt-ms", f"{a.slo_tbt_ms * a.time_scale:g}", "--seed", "0", "--out", str(out), "--quiet"]
 
 
 def start(policy: str, ttft_ms: float, a: argparse.Namespace, cfg_dir: Path) -> tuple[Any, str]:
     base, _, variant = policy.partition("+")  # conductor+defer: conductor, deferred dispatch on
     return C.start_gateway(cfg_dir, f"{policy}-{ttft_ms:g}", policy=base, store=False, admission=True,
-                           extra=health_config(a), prefill=a.prefill, decode=a.decode, ttft_ms=ttft_ms,
-                           tbt_ms=a.slo_tbt_ms, policy_params=defer_params(a, variant) if variant else None)
+                           extra=health_config(a), prefill=a.prefill, decode=a.decode,
+                           ttft_ms=ttft_ms * a.time_scale, tbt_ms=a.slo_tbt_ms * a.time_scale,
+                           time_scale=a.time_scale,
+                           policy_params=scaled_params(defer_params(a, variant), a.time_scale) if variant else None)
 
 
 def run_slo(policies: list[str], ttft_ms: float, w: LiveWorkload, a: argparse.Namespace,
@@ -177,7 +192,9 @@ def one_at_a_time(policies: list[str], ttft_ms: float, w: LiveWorkload, a: argpa
     return {"targets": [{"steps": steps[p]} for p in policies], "client_bottleneck": bottleneck}
 
 
-def target_rows(policies: list[str], summary: dict[str, Any]) -> tuple[list[dict[str, Any]], list[list[Any]]]:
+def target_rows(policies: list[str], summary: dict[str, Any],
+                time_scale: float = 1.0) -> tuple[list[dict[str, Any]], list[list[Any]]]:
+    """Per target: its repetitions' figures, TTFT and goodput in modelled seconds (wall / ``time_scale``)."""
     n = len(policies)
     per, rows = [], []
     for k, policy in enumerate(policies):
@@ -188,8 +205,8 @@ def target_rows(policies: list[str], summary: dict[str, Any]) -> tuple[list[dict
         per.append({"policy": policy, "attainment": att, "positions": positions, "refused": refused,
                     "errors": sum(s["errors"] for s in steps),
                     "hit_ratio": [s["cached_tokens"]["hit_ratio"] for s in steps],
-                    "ttft_p50_s": [s["ttft_s"]["p50"] for s in steps],
-                    "goodput_rps": [s["goodput_rps"] for s in steps]})
+                    "ttft_p50_s": [s["ttft_s"]["p50"] / time_scale for s in steps],
+                    "goodput_rps": [s["goodput_rps"] * time_scale for s in steps]})
     ours = {"conductor", "conductor+defer", "conductor+defer-b"}
     best_rival = max((p for p in per if p["policy"] not in ours), key=lambda p: C.mean(p["attainment"]) or 0.0)
     for p in per:
@@ -234,6 +251,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--one-at-a-time", action="store_true",
                    help="one gateway up at a time: each repetition of each target its own gateway and loadgen run "
                         "(same order), so the idle clusters of the other targets do not share the cores")
+    p.add_argument("--time-scale", type=float, default=1.0, metavar="T",
+                   help="engines T times slower than real time, arrivals, think times, SLOs and the wait room's "
+                        "seconds T times longer (default 1: real time); figures in modelled seconds")
     p.add_argument("--health-timeout-s", type=float,
                    help="every gateway's health_timeout_s (default: the gateway's 0.8 s); on a crowded machine "
                         "a starved engine misses two probes and is ejected with its requests in progress")
@@ -244,6 +264,16 @@ def defer_params(a: argparse.Namespace, variant: str = "defer") -> dict[str, str
     """conductor+defer's policy parameters: deferred dispatch on, plus ``--defer-param``s (and for
     conductor+defer-b its ``--defer-b``s on top)."""
     return {"defer": "on", **dict(a.defer_param), **(dict(a.defer_b) if variant == "defer-b" else {})}
+
+
+def scaled_params(params: dict[str, str], time_scale: float) -> dict[str, str]:
+    """The wait room's seconds (``defer_*_s``, the horizon's default included) in wall seconds at
+    ``time_scale``; its other parameters are ratios and counts."""
+    if time_scale == 1:
+        return params
+    out = {"defer_horizon_s": f"{DeferParams.horizon_s:g}", **params}
+    return {k: f"{float(v) * time_scale:g}" if k.startswith("defer_") and k.endswith("_s") else v
+            for k, v in out.items()}
 
 
 def errors_note(per: list[dict[str, Any]]) -> str:
@@ -267,8 +297,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--rivals: conductor and each rival once; --slo-ttft-ms: at least one value")
     if (a.defer_param or a.defer_b) and not a.defer:
         p.error("--defer-param and --defer-b need --defer")
-    if any(v is not None and not v > 0 for v in (a.limit, a.speedup, a.rate, a.health_timeout_s)):
-        p.error("--limit, --speedup, --rate and --health-timeout-s must be > 0")
+    if any(v is not None and not v > 0 for v in (a.limit, a.speedup, a.rate, a.health_timeout_s, a.time_scale)):
+        p.error("--limit, --speedup, --rate, --health-timeout-s and --time-scale must be > 0")
     cfg_dir = C.OUT / w.page / "gateways"
     cfg_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {}
@@ -276,7 +306,7 @@ def main(argv: list[str] | None = None) -> None:
     for ttft_ms in slos:
         print(f"TTFT SLO {ttft_ms:g} ms: {', '.join(policies)}", file=sys.stderr, flush=True)
         r = run_slo(policies, ttft_ms, w, a, cfg_dir)
-        per, rows = target_rows(policies, r["summary"])
+        per, rows = target_rows(policies, r["summary"], a.time_scale)
         results[f"{ttft_ms:g}"] = {"wall_s": r["wall_s"], "targets": per,
                                    "client_bottleneck": r["summary"].get("client_bottleneck"),
                                    "load_average": r["load_average"], "started_utc": r["started_utc"]}
@@ -306,9 +336,17 @@ def write_page(w: LiveWorkload, a: argparse.Namespace, results: dict[str, Any], 
         about += ("One gateway up at a time (`--one-at-a-time`): each repetition of each target starts its own "
                   "gateway and cluster, runs `--repeat 1` against it alone and stops it, in the order above, so "
                   "no idle cluster shares the cores.\n")
+    if a.time_scale != 1:
+        about += (f"Time scale {a.time_scale:g} (`--time-scale`): the engines run {a.time_scale:g}x slower than "
+                  f"real time, and the load above, the SLOs given to the gateways and to loadgen and the wait "
+                  f"room's seconds are stretched {a.time_scale:g}x to match, so the cluster sees the same load in "
+                  "modelled time while the gateway and the client carry 1/"
+                  f"{a.time_scale:g} of the requests per wall second. SLOs, TTFT and goodput are in modelled "
+                  "seconds (wall / time scale).\n")
     if a.health_timeout_s is not None:
         about += (f"Every gateway probes its engines' health with a {a.health_timeout_s:g} s timeout (the default "
                   "0.8 s ejected a CPU-starved engine with its requests in progress).\n")
+    pace = "real time" if a.time_scale == 1 else f"time scale {a.time_scale:g}"
     gen = f"""
 **Command** (regenerates this block and results.json; about {minutes:.0f} minutes of load):
 
@@ -317,7 +355,7 @@ def write_page(w: LiveWorkload, a: argparse.Namespace, results: dict[str, Any], 
 ```
 
 **Setup.** One `conductor serve` per policy, each with its own embedded cluster of {a.prefill} prefill +
-{a.decode} decode simulated `llama3-8b-h200` engines (vLLM two-step PD, real time, no store), every
+{a.decode} decode simulated `llama3-8b-h200` engines (vLLM two-step PD, {pace}, no store), every
 gateway admitting against the SLO with the analytic predictors (placement alone differs). Load:
 `conductor loadgen {' '.join(workload_flags(w, a))} --repeat {a.repeat}` with every
 gateway as a target: the targets run one after another, in the order listed on even repetitions and
