@@ -29,6 +29,10 @@ HEADERS = {"content-type": "application/json", "accept": "text/event-stream"}
 #: Content-bearing fields of a streamed choice (chat deltas, completions text).
 _DELTA_FIELDS = ("content", "reasoning_content", "reasoning")
 ERROR_TEXT_MAX = 300
+#: seconds an idle connection stays pooled: under the 5 s after which uvicorn (vLLM's, SGLang's and
+#: `conductor serve`'s HTTP server) closes one, so a request never goes out on a connection the
+#: server is closing (the keep-alive race, aio-libs/aiohttp#2682: a reset, counted as a failed request)
+KEEPALIVE_S = 2.0
 INTERRUPTED = "interrupted"
 
 
@@ -75,7 +79,8 @@ class StepResult:
 
 def new_session() -> aiohttp.ClientSession:
     """No connection cap (open loop) and no default timeout (each request sets its own)."""
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300,
+                                                                keepalive_timeout=KEEPALIVE_S),
                                  timeout=aiohttp.ClientTimeout(total=None), auto_decompress=False)
 
 
