@@ -161,6 +161,11 @@ def test_time_scale_reaches_each_gateway_with_its_slo_and_the_wait_rooms_seconds
     assert room.enabled and room.horizon_s == 4 * DeferParams().horizon_s and room.reeval_s == 2.0
     assert room.aging == 0.05 and rest == {}  # a ratio: the same at any time scale
     assert plain == ()
+    default = GatewayConfig()
+    for key in ("upstream_first_byte_timeout_s", "upstream_stall_timeout_s", "upstream_timeout_s"):
+        assert getattr(cfg, key) == 4 * getattr(default, key) and getattr(real, key) == getattr(default, key)
+    for key in ("upstream_connect_timeout_s", "header_timeout_s", "keepalive_timeout_s"):  # the host's, not the model's
+        assert getattr(cfg, key) == getattr(default, key)
 
 
 def test_time_scale_reports_modelled_seconds():

@@ -28,10 +28,10 @@ dispatch (``--policy-param defer=on``, gateway/waiting.py).
 
 ``--time-scale T`` runs the engines T times slower than real time (the embedded cluster's
 ``time_scale``, as bench/live_vs_sim.py does) and stretches everything else to match: arrivals and
-think times T times wider, the SLOs and the wait room's seconds T times longer. The cluster then
-faces the same load in modelled time while the gateway and the client handle 1/T of the requests
-and tokens per wall second, so a 2-core machine measures placement rather than its own CPU; the
-page reports modelled seconds.
+think times T times wider, the SLOs, the gateway's upstream timeouts and the wait room's seconds T
+times longer. The cluster then faces the same load in modelled time while the gateway and the
+client handle 1/T of the requests and tokens per wall second, so a 2-core machine measures
+placement rather than its own CPU; the page reports modelled seconds.
 """
 from __future__ import annotations
 
@@ -47,6 +47,7 @@ from typing import Any
 
 import _common as C
 
+from gateway.config import GatewayConfig  # noqa: E402
 from predictors.cli_args import key_value  # noqa: E402
 from scheduler.deferral_params import DeferParams  # noqa: E402
 from tests.servers import stop  # noqa: E402
@@ -128,6 +129,22 @@ def health_config(a: argparse.Namespace) -> str:
     return "" if a.health_timeout_s is None else f"health_timeout_s = {a.health_timeout_s:g}\n"
 
 
+#: the gateway's limits on modelled durations (a prefill leg's queue wait, a stream's silence, a whole
+#: answer), stretched with the engines at ``--time-scale``; the host-side ones (connect, health
+#: probe, client headers and body, keep-alive) stay in wall seconds
+UPSTREAM_TIMEOUTS = ("upstream_first_byte_timeout_s", "upstream_stall_timeout_s", "upstream_timeout_s")
+
+
+def upstream_config(a: argparse.Namespace) -> str:
+    """Top-level gateway config lines for ``--time-scale`` (none in real time): at time scale 4 a
+    prefill leg queued 15 modelled seconds hit the default 60 s first-byte limit, and two such
+    timeouts ejected the instance."""
+    if a.time_scale == 1:
+        return ""
+    defaults = GatewayConfig()
+    return "".join(f"{k} = {getattr(defaults, k) * a.time_scale:g}\n" for k in UPSTREAM_TIMEOUTS)
+
+
 def loadgen_command(urls: list[str], w: LiveWorkload, ttft_ms: float, a: argparse.Namespace,
                     out: Path) -> list[str]:
     return [sys.executable, "-m", "gateway.cli", "loadgen", *[x for u in urls for x in ("--target", u)],
@@ -138,7 +155,7 @@ def loadgen_command(urls: list[str], w: LiveWorkload, ttft_ms: float, a: argpars
 def start(policy: str, ttft_ms: float, a: argparse.Namespace, cfg_dir: Path) -> tuple[Any, str]:
     base, _, variant = policy.partition("+")  # conductor+defer: conductor, deferred dispatch on
     return C.start_gateway(cfg_dir, f"{policy}-{ttft_ms:g}", policy=base, store=False, admission=True,
-                           extra=health_config(a), prefill=a.prefill, decode=a.decode,
+                           extra=health_config(a) + upstream_config(a), prefill=a.prefill, decode=a.decode,
                            ttft_ms=ttft_ms * a.time_scale, tbt_ms=a.slo_tbt_ms * a.time_scale,
                            time_scale=a.time_scale,
                            policy_params=scaled_params(defer_params(a, variant), a.time_scale) if variant else None)
@@ -337,12 +354,12 @@ def write_page(w: LiveWorkload, a: argparse.Namespace, results: dict[str, Any], 
                   "gateway and cluster, runs `--repeat 1` against it alone and stops it, in the order above, so "
                   "no idle cluster shares the cores.\n")
     if a.time_scale != 1:
-        about += (f"Time scale {a.time_scale:g} (`--time-scale`): the engines run {a.time_scale:g}x slower than "
-                  f"real time, and the load above, the SLOs given to the gateways and to loadgen and the wait "
-                  f"room's seconds are stretched {a.time_scale:g}x to match, so the cluster sees the same load in "
-                  "modelled time while the gateway and the client carry 1/"
-                  f"{a.time_scale:g} of the requests per wall second. SLOs, TTFT and goodput are in modelled "
-                  "seconds (wall / time scale).\n")
+        t = f"{a.time_scale:g}"
+        about += (f"Time scale {t} (`--time-scale`): the engines run {t}x slower than real time, and the load "
+                  "above, the SLOs given to the gateways and to loadgen, the gateways' upstream timeouts and the "
+                  f"wait room's seconds are stretched {t}x to match, so the cluster sees the same load in modelled "
+                  f"time while the gateway and the client carry 1/{t} of the requests per wall second. SLOs, TTFT "
+                  "and goodput are in modelled seconds (wall / time scale).\n")
     if a.health_timeout_s is not None:
         about += (f"Every gateway probes its engines' health with a {a.health_timeout_s:g} s timeout (the default "
                   "0.8 s ejected a CPU-starved engine with its requests in progress).\n")
