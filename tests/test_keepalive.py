@@ -1,8 +1,8 @@
 """Clients drop an idle pooled connection before the server at the other end closes it. A server
 closes an idle keep-alive connection after its timeout; a client that picks that connection for a
 new request as the close arrives gets a reset (aio-libs/aiohttp#2682), more often the busier its
-event loop. Live runs counted 12-56 such failed requests per 2,400 before loadgen's pool was cut
-under the servers' timeout (docs/experiments/live-baselines-synthetic.md)."""
+event loop. Live runs counted 12-56 such failed requests per 2,400, and none once loadgen's pool was
+cut under the servers' timeout (docs/experiments/live-baselines-synthetic.md)."""
 from __future__ import annotations
 
 import asyncio

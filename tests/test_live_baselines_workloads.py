@@ -50,8 +50,14 @@ def _workload_of(*argv: str):
 
 
 def test_conversation_default_is_what_its_page_says():
+    """The page's committed run is the default workload at the time scale its results.json records."""
+    import json
+
     page = open(os.path.join(ROOT, "docs", "experiments", "live-baselines.md")).read()
-    flags = " ".join(L.workload_flags(L.WORKLOADS["conversation"], _args()))
+    with open(os.path.join(ROOT, "docs", "experiments", "live-baselines", "results.json")) as f:
+        recorded = json.load(f)["args"]
+    a = _args("--time-scale", str(recorded.get("time_scale", 1.0)))
+    flags = " ".join(L.workload_flags(L.WORKLOADS["conversation"], a))
     assert f"`conductor loadgen {flags} --repeat 2`" in page
     la, w = _workload_of()
     assert la.trace.endswith("mooncake_conversation_trace.jsonl") and len(w.base.requests) == 400
