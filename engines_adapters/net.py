@@ -16,6 +16,13 @@ _rng = random.SystemRandom()
 _handed_out: set[int] = set()
 
 
+#: seconds an idle pooled HTTP connection is kept by our clients (loadgen's, the gateway's to its
+#: engines): under the 5 s after which uvicorn (vLLM's, SGLang's and `conductor serve`'s server)
+#: closes one, so a request never goes out on a connection the server is closing (the keep-alive
+#: race, aio-libs/aiohttp#2682: a reset, counted as a failed request)
+POOL_KEEPALIVE_S = 2.0
+
+
 def _ephemeral_range() -> tuple[int, int]:
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:

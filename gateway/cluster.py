@@ -16,6 +16,7 @@ import zmq.asyncio
 from engines_adapters.drivers import Pair, PairDriver, UpstreamUnavailable, flavor
 from engines_adapters.engine_client import EngineClient
 from engines_adapters.kv_events import KVEventSubscriber
+from engines_adapters.net import POOL_KEEPALIVE_S
 from gateway.config import EngineConfig, GatewayConfig
 from gateway.store_tier import StoreTier
 from predictors.analytic import analytic_predictors
@@ -26,10 +27,6 @@ from scheduler import Instance, Scheduler
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 #: how often a healthy engine's served models are asked again (they rarely change)
-#: seconds an idle engine connection stays pooled: under the 5 s after which vLLM's and SGLang's
-#: uvicorn servers close one, so a leg never goes out on a connection the engine is closing (the
-#: keep-alive race, aio-libs/aiohttp#2682); the health probes keep one per engine warm anyway
-ENGINE_KEEPALIVE_S = 2.0
 MODELS_EVERY_S = 1.0
 
 def build_scheduler(cfg: GatewayConfig, engines: list[EngineConfig]) -> Scheduler:
@@ -90,7 +87,7 @@ class Cluster:
         # engine connections in use at once: one per request in progress, and each engine's probes
         # (the descriptors netguard keeps for them); 0 (no limit) when the requests are not bounded
         limit = self.cfg.max_concurrent_requests + 4 * len(self.engines) if self.cfg.max_concurrent_requests else 0
-        conn = aiohttp.TCPConnector(limit=limit, ttl_dns_cache=300, keepalive_timeout=ENGINE_KEEPALIVE_S)
+        conn = aiohttp.TCPConnector(limit=limit, ttl_dns_cache=300, keepalive_timeout=POOL_KEEPALIVE_S)
         self.session = aiohttp.ClientSession(connector=conn, auto_decompress=False)
         for e in self.engines.values():
             fl = flavor(e.flavor)

@@ -20,6 +20,7 @@ from typing import Any
 
 import aiohttp
 
+from engines_adapters.net import POOL_KEEPALIVE_S
 from predictors.telemetry import RequestRecord
 
 from .progress import Progress
@@ -29,10 +30,6 @@ HEADERS = {"content-type": "application/json", "accept": "text/event-stream"}
 #: Content-bearing fields of a streamed choice (chat deltas, completions text).
 _DELTA_FIELDS = ("content", "reasoning_content", "reasoning")
 ERROR_TEXT_MAX = 300
-#: seconds an idle connection stays pooled: under the 5 s after which uvicorn (vLLM's, SGLang's and
-#: `conductor serve`'s HTTP server) closes one, so a request never goes out on a connection the
-#: server is closing (the keep-alive race, aio-libs/aiohttp#2682: a reset, counted as a failed request)
-KEEPALIVE_S = 2.0
 INTERRUPTED = "interrupted"
 
 
@@ -80,7 +77,7 @@ class StepResult:
 def new_session() -> aiohttp.ClientSession:
     """No connection cap (open loop) and no default timeout (each request sets its own)."""
     return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300,
-                                                                keepalive_timeout=KEEPALIVE_S),
+                                                                keepalive_timeout=POOL_KEEPALIVE_S),
                                  timeout=aiohttp.ClientTimeout(total=None), auto_decompress=False)
 
 

@@ -9,9 +9,10 @@ import asyncio
 
 import uvicorn
 
-from gateway.cluster import ENGINE_KEEPALIVE_S, Cluster
+from engines_adapters.net import POOL_KEEPALIVE_S
+from gateway.cluster import Cluster
 from gateway.config import EngineConfig, GatewayConfig
-from loadgen.runner import KEEPALIVE_S, new_session
+from loadgen.runner import new_session
 
 #: vLLM's OpenAI server closes idle connections after 5 s (its TIMEOUT_KEEP_ALIVE, uvicorn's
 #: timeout_keep_alive); SGLang's runs uvicorn with its default, the same 5 s
@@ -30,7 +31,8 @@ def test_loadgen_drops_idle_connections_before_a_gateway_or_engine_closes_them()
             return s.connector._keepalive_timeout  # type: ignore[union-attr]
         finally:
             await s.close()
-    assert asyncio.run(pooled()) == KEEPALIVE_S < min(GatewayConfig().keepalive_timeout_s, ENGINE_SERVER_KEEPALIVE_S)
+    servers = min(GatewayConfig().keepalive_timeout_s, ENGINE_SERVER_KEEPALIVE_S)
+    assert asyncio.run(pooled()) == POOL_KEEPALIVE_S < servers
 
 
 def test_the_gateway_drops_idle_engine_connections_before_the_engine_closes_them():
@@ -43,4 +45,4 @@ def test_the_gateway_drops_idle_engine_connections_before_the_engine_closes_them
             return cluster.session.connector._keepalive_timeout  # type: ignore[union-attr]
         finally:
             await cluster.stop()
-    assert asyncio.run(pooled()) == ENGINE_KEEPALIVE_S < ENGINE_SERVER_KEEPALIVE_S
+    assert asyncio.run(pooled()) == POOL_KEEPALIVE_S < ENGINE_SERVER_KEEPALIVE_S
