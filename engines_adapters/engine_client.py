@@ -85,6 +85,9 @@ class EngineClient:
         self.bootstrap_port = bootstrap_port  # an SGLang prefill's bootstrap server (None: SGLang's 8998)
         self.connect_timeout_s, self.timeout_s = connect_timeout_s, timeout_s
         self.first_byte_timeout_s, self.health_timeout_s = first_byte_timeout_s, health_timeout_s
+        # monotonic time of the engine's last answer to a request (headers in): a timeout after it was
+        # sent is a queue, not a hang (``GatewayCluster.report_failure``)
+        self.answered_at = float("-inf")
 
     def _timeout(self, streaming: bool | None) -> aiohttp.ClientTimeout:
         """Answers read whole (a prefill leg) are the first byte: bounded by the first-byte limit.
@@ -132,6 +135,7 @@ class EngineClient:
                 raise UpstreamTimeout(f"engine {self.id} timed out", self.id) from None
             # could not connect (a connect timeout included), or the connection broke: another pair may work
             raise UpstreamUnavailable(f"engine {self.id} unreachable: {e}", self.id) from None
+        self.answered_at = time.monotonic()
         return resp
 
     async def get_json(self, url: str, timeout_s: float = 5.0) -> Any:

@@ -338,8 +338,14 @@ class Cluster:
         """The driver and clients for a placement (a pair never mixes flavours: the prefill's drives)."""
         return self.drivers[prefill], Pair(self.clients[prefill], self.clients[decode])
 
-    def report_failure(self, eid: str, why: str = "failed requests") -> None:
-        """A request could not reach the engine, or it timed out: count it like a failed health check."""
+    def report_failure(self, eid: str, why: str = "failed requests", *, sent_at: float | None = None) -> None:
+        """A request could not reach the engine, or it timed out: count it like a failed health check.
+        A timeout (``sent_at``: when its request was sent) is not counted when the engine answered
+        another request since: it waited in a working engine's queue, which ejecting would only
+        move onto the others (admission's miss, not a hang)."""
+        if sent_at is not None and self.clients[eid].answered_at > sent_at:
+            log.info("instance %s: a request timed out in its queue while it answered others: not counted", eid)
+            return
         self.failures[eid] += 1
         if self.healthy[eid] and self.failures[eid] >= self.cfg.eject_after_failures:
             log.warning("instance %s: %d consecutive failures (%s): ejected", eid, self.failures[eid], why)

@@ -106,7 +106,8 @@ class GatewayConfig:
     max_body_bytes: int = 8 * 1024 * 1024
     upstream_connect_timeout_s: float = 5.0
     # an engine's first byte: the prefill leg's whole answer, a streamed decode leg's headers
-    # (exceeded: retried on another pair once, counted toward ejection, else 504)
+    # (exceeded: retried on another pair once, else 504; counted toward ejection unless the
+    # engine answered another request meanwhile: then it was a queue, not a hang)
     upstream_first_byte_timeout_s: float = 60.0
     upstream_stall_timeout_s: float = 30.0  # a stream silent this long mid-way: SSE error, released
     upstream_timeout_s: float = 300.0  # a whole non-streamed answer

@@ -282,12 +282,15 @@ class Proxy:
                     return self._upstream_failure(failed, lc)
                 return self._rejected(d, lc.record)
             driver, pair = self.cluster.pair(d.prefill, d.decode)
+            sent_at = time.monotonic()
             try:  # an engine found hung meanwhile ends the wait at once (retried like a failure)
                 resp = await self.cluster.until_ejected(driver.open(pair, leg, lc), (d.prefill, d.decode))
             except UpstreamError as e:
                 if e.retryable and e.engine and not isinstance(e, LocalResourceError):
-                    self.cluster.report_failure(e.engine, "timeouts" if isinstance(e, UpstreamTimeout)
-                                                else "failed requests")
+                    if isinstance(e, UpstreamTimeout):
+                        self.cluster.report_failure(e.engine, "timeouts", sent_at=sent_at)
+                    else:
+                        self.cluster.report_failure(e.engine)
                     if attempt == 0:
                         lc.retry(e.engine)
                         failed = e

@@ -150,6 +150,38 @@ def test_a_prefill_leg_timing_out_is_retried_on_another_pair_and_counted_toward_
             assert all(i["active_requests"] == 0 for i in view.values())
 
 
+def test_a_prefill_leg_timing_out_in_a_working_engines_queue_is_retried_but_not_counted_toward_ejection():
+    # p1 prefills one request at a time, each ~0.7 s (2,000 tokens at time scale 2): of the five
+    # sent to it at once, the first answers within the 2 s first-byte limit and the last ones wait
+    # past it. A queue, not a hang: they are retried on p2, and p1 stays in the cluster
+    slow = ("--time-scale", "2", "--max-num-seqs", "1")
+    with sim_engine("prefill", *slow) as p1, sim_engine("prefill") as p2, sim_engine("decode") as d1:
+        cfg = config('policy = "round_robin"', "health_interval_s = 60", "upstream_first_byte_timeout_s = 2",
+                     "eject_after_failures = 2",
+                     engines=(("p1", p1, "prefill"), ("p2", p2, "prefill"), ("d1", d1, "decode")))
+        with gateway(cfg) as g:
+            url = g["url"]
+            model = requests.get(url + "/v1/models").json()["data"][0]["id"]
+
+            def ask(i: int) -> requests.Response:
+                body = {"model": model, "messages": [{"role": "user", "content": f"{i} " + "hello " * 2000}],
+                        "max_tokens": 2}
+                return requests.post(url + "/v1/chat/completions", json=body, headers={"x-request-id": f"q{i}"},
+                                     timeout=60)
+
+            with concurrent.futures.ThreadPoolExecutor(10) as pool:
+                answers = list(pool.map(ask, range(10)))  # round robin: five of them on p1
+            view = drained(url)
+            decisions = requests.get(url + "/admin/decisions", params={"limit": 100}).json()["decisions"]
+        tried_p1 = {d["request_id"] for d in decisions if d["chosen"] and d["chosen"]["prefill"] == "p1"}
+        moved = [a for a in answers
+                 if a.headers["x-request-id"] in tried_p1 and a.headers["x-conductor-prefill"] == "p2"]
+        assert [a.status_code for a in answers] == [200] * 10
+        assert len(moved) >= 2  # enough timeouts to have ejected p1 had they counted
+        assert view["p1"]["healthy"] and view["p1"]["consecutive_failures"] == 0
+        assert all(i["active_requests"] == 0 for i in view.values())
+
+
 def test_a_stream_stalling_mid_way_ends_with_an_sse_error_after_the_stall_timeout():
     with sim_engine("prefill") as p1, sim_engine("decode") as d1:
         cfg = config("health_interval_s = 60", "upstream_stall_timeout_s = 1",
