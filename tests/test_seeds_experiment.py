@@ -1,0 +1,44 @@
+"""bench/experiments/seeds.py: the best other is taken per seed, the ratios and their summary follow
+from the runs, and a seed reaches the simulation (another seed, another run; the same seed, the
+same run). One small simulation, no server."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench", "experiments"))  # seeds imports _common and friends by name
+
+import _common as C  # noqa: E402
+import overload_admission as O  # noqa: E402
+import seeds as S  # noqa: E402
+
+from loadgen.workload import read_trace  # noqa: E402
+from predictors.telemetry import SLO  # noqa: E402
+
+
+def test_the_best_other_is_taken_per_seed_and_the_ratios_follow():
+    runs = {S.DEFERRED: [0.9, 0.8, 0.6], "a": [0.75, 0.5, 0.6], "b": [0.6, 0.64, 0.3]}
+    s = S.point_summary(runs)
+    assert s["best"] == ["a", "b", "a"]
+    assert s["ratios"] == pytest.approx([1.2, 1.25, 1.0])
+    assert s["ratio_mean"] == pytest.approx(3.45 / 3)
+    assert (s["ratio_min"], s["ratio_max"]) == (pytest.approx(1.0), pytest.approx(1.25))
+    # the best mean of another ("a", 0.6167) is not every seed's best
+    assert s["best_mean"] == "a" and s["ratio_of_means"] == pytest.approx((2.3 / 3) / (1.85 / 3))
+
+
+def test_a_seed_reaches_the_simulation():
+    w = read_trace(os.path.join(ROOT, "data", "traces", "mooncake_conversation_trace.jsonl"), limit=40)
+    slo = SLO(5.0, 0.2)
+
+    def ttfts(seed: int) -> list[float | None]:
+        spec = C.cluster(2, 2, seed=seed)
+        _, recs = O.sweep(w, spec, ["round_robin"], 4.0, slo, "analytic", {}, 1, None, seed=seed)["round_robin"]
+        return [r.ttft_s for r in sorted(recs, key=lambda r: r.arrival_s)]
+
+    first = ttfts(0)
+    assert ttfts(0) == first
+    assert ttfts(1) != first
