@@ -131,48 +131,46 @@ def test_a_hung_decode_is_ejected_its_waiting_requests_retried_and_its_streams_e
             assert all(i["active_requests"] == 0 and i["reserved_prefill_tokens"] == 0 for i in view.values())
 
 
-def test_a_prefill_leg_timing_out_is_retried_on_another_pair_and_counted_toward_ejection():
-    with sim_engine("prefill") as p1, sim_engine("prefill") as p2, sim_engine("decode") as d1:
-        # health checks far apart: only the requests' own timeouts can eject p2
-        cfg = config('policy = "round_robin"', "health_interval_s = 60", "upstream_first_byte_timeout_s = 1",
-                     "eject_after_failures = 2",
+@contextmanager
+def two_prefills(first_byte_timeout_s: float, *p1_flags: str):
+    """Prefill p1 (started with ``p1_flags``) and p2, decode d1, behind a round-robin gateway with this
+    first-byte limit, ejecting after 2 failures, its health checks far apart (only the requests' own
+    timeouts can eject): yields (gateway URL, model, p2)."""
+    with sim_engine("prefill", *p1_flags) as p1, sim_engine("prefill") as p2, sim_engine("decode") as d1:
+        cfg = config('policy = "round_robin"', "health_interval_s = 60",
+                     f"upstream_first_byte_timeout_s = {first_byte_timeout_s}", "eject_after_failures = 2",
                      engines=(("p1", p1, "prefill"), ("p2", p2, "prefill"), ("d1", d1, "decode")))
         with gateway(cfg) as g:
-            url = g["url"]
-            model = requests.get(url + "/v1/models").json()["data"][0]["id"]
-            body = {"model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
-            with stopped(p2["proc"]):
-                answers = [requests.post(url + "/v1/chat/completions", json=body, timeout=30) for _ in range(6)]
-                view = drained(url)
-            assert [a.status_code for a in answers] == [200] * 6
-            assert {a.headers["x-conductor-prefill"] for a in answers} == {"p1"}
-            assert not view["p2"]["healthy"]  # two timeouts ejected it
-            assert all(i["active_requests"] == 0 for i in view.values())
+            yield g["url"], requests.get(g["url"] + "/v1/models").json()["data"][0]["id"], p2
+
+
+def test_a_prefill_leg_timing_out_is_retried_on_another_pair_and_counted_toward_ejection():
+    with two_prefills(1) as (url, model, p2):
+        body = {"model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
+        with stopped(p2["proc"]):
+            answers = [requests.post(url + "/v1/chat/completions", json=body, timeout=30) for _ in range(6)]
+            view = drained(url)
+        assert [a.status_code for a in answers] == [200] * 6
+        assert {a.headers["x-conductor-prefill"] for a in answers} == {"p1"}
+        assert not view["p2"]["healthy"]  # two timeouts ejected it
+        assert all(i["active_requests"] == 0 for i in view.values())
 
 
 def test_a_prefill_leg_timing_out_in_a_working_engines_queue_is_retried_but_not_counted_toward_ejection():
-    # p1 prefills one request at a time, each ~0.7 s (2,000 tokens at time scale 2): of the five
-    # sent to it at once, the first answers within the 2 s first-byte limit and the last ones wait
-    # past it. A queue, not a hang: they are retried on p2, and p1 stays in the cluster
-    slow = ("--time-scale", "2", "--max-num-seqs", "1")
-    with sim_engine("prefill", *slow) as p1, sim_engine("prefill") as p2, sim_engine("decode") as d1:
-        cfg = config('policy = "round_robin"', "health_interval_s = 60", "upstream_first_byte_timeout_s = 2",
-                     "eject_after_failures = 2",
-                     engines=(("p1", p1, "prefill"), ("p2", p2, "prefill"), ("d1", d1, "decode")))
-        with gateway(cfg) as g:
-            url = g["url"]
-            model = requests.get(url + "/v1/models").json()["data"][0]["id"]
+    # p1 prefills one request at a time, each ~0.7 s (12,000 byte tokens at time scale 2): of the
+    # five sent to it at once, the first answers within the 2 s first-byte limit and the last ones
+    # wait past it. A queue, not a hang: they are retried on p2, and p1 stays in the cluster
+    with two_prefills(2, "--time-scale", "2", "--max-num-seqs", "1") as (url, model, _):
+        def ask(i: int) -> requests.Response:
+            body = {"model": model, "messages": [{"role": "user", "content": f"{i} " + "hello " * 2000}],
+                    "max_tokens": 2}
+            return requests.post(url + "/v1/chat/completions", json=body, headers={"x-request-id": f"q{i}"},
+                                 timeout=60)
 
-            def ask(i: int) -> requests.Response:
-                body = {"model": model, "messages": [{"role": "user", "content": f"{i} " + "hello " * 2000}],
-                        "max_tokens": 2}
-                return requests.post(url + "/v1/chat/completions", json=body, headers={"x-request-id": f"q{i}"},
-                                     timeout=60)
-
-            with concurrent.futures.ThreadPoolExecutor(10) as pool:
-                answers = list(pool.map(ask, range(10)))  # round robin: five of them on p1
-            view = drained(url)
-            decisions = requests.get(url + "/admin/decisions", params={"limit": 100}).json()["decisions"]
+        with concurrent.futures.ThreadPoolExecutor(10) as pool:
+            answers = list(pool.map(ask, range(10)))  # round robin: five of them on p1
+        view = drained(url)
+        decisions = requests.get(url + "/admin/decisions", params={"limit": 100}).json()["decisions"]
         tried_p1 = {d["request_id"] for d in decisions if d["chosen"] and d["chosen"]["prefill"] == "p1"}
         moved = [a for a in answers
                  if a.headers["x-request-id"] in tried_p1 and a.headers["x-conductor-prefill"] == "p2"]
