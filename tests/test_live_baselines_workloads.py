@@ -242,3 +242,36 @@ def test_one_at_a_time_runs_each_target_alone_in_loadgens_order_and_merges_the_s
     assert summary["client_bottleneck"] is True
     per, rows = L.target_rows(["conductor", "random"], summary)
     assert rows[0][1] == "80.0% (1), 70.0% (2)" and rows[1][1] == "50.0% (2), 40.0% (1)"
+
+
+def test_keep_other_slos_reruns_one_slo_and_keeps_the_others_of_the_same_setup(monkeypatch, tmp_path):
+    """--keep-other-slos: a rerun of one SLO keeps the page's other tables (saying when they ran) when
+    the saved run had the same setup; without it the page holds only what ran; another setup is an error."""
+    def run_slo(policies, ttft_ms, w, a, cfg_dir):
+        met = {30000.0: 0.9, 5000.0: 0.6}[ttft_ms] - (0.1 if a.keep_other_slos else 0.0)
+        step = {"step": 0, "slo_attainment": met, "rejected": 1, "errors": 0, "cached_tokens": {"hit_ratio": 0.5},
+                "ttft_s": {"p50": 1.0}, "goodput_rps": 2.0}
+        other = {**step, "slo_attainment": 0.5}
+        return {"wall_s": 60.0, "summary": {"targets": [{"steps": [step]}, {"steps": [other]}]},
+                "load_average": {"start": [0, 0, 0], "end": [0, 0, 0]}, "started_utc": f"T{ttft_ms:g}"}
+
+    monkeypatch.setattr(L, "run_slo", run_slo)
+    monkeypatch.setattr(L.C, "DOCS", tmp_path / "docs")
+    monkeypatch.setattr(L.C, "OUT", tmp_path / "out")
+    page = tmp_path / "docs" / "live-baselines.md"
+
+    def tables() -> dict[str, str]:
+        text = page.read_text()
+        return {h.split(" s\n", 1)[0]: h for h in text.split("### TTFT <= ")[1:]}
+
+    L.main(["--rivals", "random", "--slo-ttft-ms", "30000,5000"])
+    assert list(tables()) == ["30", "5"] and "90.0%" in tables()["30"] and "60.0%" in tables()["5"]
+    L.main(["--rivals", "random", "--slo-ttft-ms", "5000", "--keep-other-slos"])
+    t = tables()
+    assert list(t) == ["30", "5"] and "90.0%" in t["30"] and "Kept from the run started T30000" in t["30"]
+    assert "60.0%" not in t["5"] and "50.0% (1)" in t["5"] and "Kept" not in t["5"]  # rerun
+    with pytest.raises(SystemExit) as e:
+        L.main(["--rivals", "lmetric", "--slo-ttft-ms", "5000", "--keep-other-slos"])
+    assert e.value.code == 2 and list(tables()) == ["30", "5"]  # the page untouched
+    L.main(["--rivals", "random", "--slo-ttft-ms", "5000"])
+    assert list(tables()) == ["5"]

@@ -213,7 +213,7 @@ def target_rows(policies: list[str], summary: dict[str, Any],
                 time_scale: float = 1.0) -> tuple[list[dict[str, Any]], list[list[Any]]]:
     """Per target: its repetitions' figures, TTFT and goodput in modelled seconds (wall / ``time_scale``)."""
     n = len(policies)
-    per, rows = [], []
+    per = []
     for k, policy in enumerate(policies):
         steps = summary["targets"][k]["steps"]
         att = [s["slo_attainment"] for s in steps]
@@ -224,8 +224,14 @@ def target_rows(policies: list[str], summary: dict[str, Any],
                     "hit_ratio": [s["cached_tokens"]["hit_ratio"] for s in steps],
                     "ttft_p50_s": [s["ttft_s"]["p50"] / time_scale for s in steps],
                     "goodput_rps": [s["goodput_rps"] * time_scale for s in steps]})
+    return per, table_rows(per)
+
+
+def table_rows(per: list[dict[str, Any]]) -> list[list[Any]]:
+    """The page's table from the targets' figures (``target_rows``, or results.json's)."""
     ours = {"conductor", "conductor+defer", "conductor+defer-b"}
     best_rival = max((p for p in per if p["policy"] not in ours), key=lambda p: C.mean(p["attainment"]) or 0.0)
+    rows = []
     for p in per:
         m = C.mean(p["attainment"]) or 0.0
         ratio = m / (C.mean(best_rival["attainment"]) or 1.0) if p["policy"] in ours else None
@@ -235,7 +241,36 @@ def target_rows(policies: list[str], summary: dict[str, Any],
                      "-" if ratio is None else f"**{ratio:.2f}x** (over {best_rival['policy']})",
                      p["refused"], C.pct(C.mean(p["hit_ratio"])), C.sec(C.mean(p["ttft_p50_s"])),
                      C.sec(C.mean(p["goodput_rps"]))])
-    return per, rows
+    return rows
+
+
+def section(ttft_ms: str, r: dict[str, Any]) -> str:
+    """One SLO's table; one kept from an earlier run (``--keep-other-slos``) says when it ran."""
+    kept = f" Kept from the run started {r['started_utc']} (`--keep-other-slos`)." if r.get("kept") else ""
+    head = (f"`conductor loadgen` wall time {r['wall_s']:.0f} s; client bottleneck flagged: "
+            f"{r.get('client_bottleneck')}{errors_note(r['targets'])}.{kept}")
+    return f"""### TTFT <= {float(ttft_ms) / 1e3:g} s
+
+{head}
+
+""" + C.md_table(["policy", "attainment per repetition (position in the order)", "mean", "spread",
+                  "conductor / best other", "refused", "prefix hit (engine-reported)", "TTFT p50 (s)",
+                  "goodput (req/s)"], table_rows(r["targets"]))
+
+
+def kept_results(a: argparse.Namespace, w: LiveWorkload, slos: list[float]) -> dict[str, Any]:
+    """``--keep-other-slos``: the page's saved tables for the SLOs not rerun, when the saved run had
+    this run's setup in every other respect (else ValueError naming what differs)."""
+    path = C.DOCS / w.page / "results.json"
+    if not a.keep_other_slos or not path.exists():
+        return {}
+    saved = json.loads(path.read_text())
+    now = json.loads(json.dumps(vars(a)))  # as the saved copy reads back (tuples become lists)
+    differ = sorted(k for k in {**now, **saved["args"]} if k not in ("slo_ttft_ms", "keep_other_slos")
+                    and saved["args"].get(k) != now.get(k))
+    if differ:
+        raise ValueError(f"the saved run differs in {', '.join(differ)}")
+    return {k: {**v, "kept": True} for k, v in saved["results"].items() if float(k) not in slos}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -271,6 +306,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--time-scale", type=float, default=1.0, metavar="T",
                    help="engines T times slower than real time, arrivals, think times, SLOs and the wait room's "
                         "seconds T times longer (default 1: real time); figures in modelled seconds")
+    p.add_argument("--keep-other-slos", action="store_true",
+                   help="keep the page's tables for the TTFT SLOs not given (when its saved run had this setup "
+                        "otherwise), so one SLO can be rerun or added without rerunning the others")
     p.add_argument("--health-timeout-s", type=float,
                    help="every gateway's health_timeout_s (default: the gateway's 0.8 s); on a crowded machine "
                         "a starved engine misses two probes and is ejected with its requests in progress")
@@ -316,32 +354,26 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--defer-param and --defer-b need --defer")
     if any(v is not None and not v > 0 for v in (a.limit, a.speedup, a.rate, a.health_timeout_s, a.time_scale)):
         p.error("--limit, --speedup, --rate, --health-timeout-s and --time-scale must be > 0")
+    try:
+        results: dict[str, Any] = kept_results(a, w, slos)
+    except ValueError as e:
+        p.error(f"--keep-other-slos: {e}")
     cfg_dir = C.OUT / w.page / "gateways"
     cfg_dir.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {}
-    sections = []
     for ttft_ms in slos:
         print(f"TTFT SLO {ttft_ms:g} ms: {', '.join(policies)}", file=sys.stderr, flush=True)
         r = run_slo(policies, ttft_ms, w, a, cfg_dir)
-        per, rows = target_rows(policies, r["summary"], a.time_scale)
+        per, _ = target_rows(policies, r["summary"], a.time_scale)
         results[f"{ttft_ms:g}"] = {"wall_s": r["wall_s"], "targets": per,
                                    "client_bottleneck": r["summary"].get("client_bottleneck"),
                                    "load_average": r["load_average"], "started_utc": r["started_utc"]}
-        bottleneck = r["summary"].get("client_bottleneck")
-        sections.append(f"""### TTFT <= {ttft_ms / 1e3:g} s
-
-`conductor loadgen` wall time {r['wall_s']:.0f} s; client bottleneck flagged: {bottleneck}{errors_note(per)}.
-
-""" + C.md_table(["policy", "attainment per repetition (position in the order)", "mean", "spread",
-                  "conductor / best other", "refused", "prefix hit (engine-reported)", "TTFT p50 (s)",
-                  "goodput (req/s)"], rows))
-        write_page(w, a, results, sections)  # after each SLO: a run cut short keeps what it measured
+        write_page(w, a, results)  # after each SLO: a run cut short keeps what it measured
 
 
-def write_page(w: LiveWorkload, a: argparse.Namespace, results: dict[str, Any], sections: list[str]) -> None:
+def write_page(w: LiveWorkload, a: argparse.Namespace, results: dict[str, Any]) -> None:
     C.save_json(C.DOCS / w.page / "results.json", {"args": vars(a), "loadgen_workload": workload_flags(w, a),
                                                    "results": results})
-    minutes = sum(r["wall_s"] for r in results.values()) / 60
+    minutes = sum(r["wall_s"] for r in results.values() if not r.get("kept")) / 60
     about = f"{w.about}\n" if w.about else ""
     if a.defer_param:
         about += ("conductor+defer runs with `" + " ".join(f"{k}={v}" for k, v in defer_params(a).items())
@@ -380,7 +412,7 @@ reversed on odd ones (the number in brackets is the position). A request meets t
 within the SLO and TBT (mean of its slowest 10% of gaps) <= {a.slo_tbt_ms:g} ms; the goodput ratio at equal
 offered load is the attainment ratio. {about}**2 shared cores: compare within a table and read the spread.**
 
-""" + "\n".join(sections)
+""" + "\n".join(section(k, results[k]) for k in sorted(results, key=float, reverse=True))
     C.write_doc(C.DOCS / f"{w.page}.md", w.title, gen, DISCUSSION)
     print(gen)
 
