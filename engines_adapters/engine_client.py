@@ -85,8 +85,8 @@ class EngineClient:
         self.bootstrap_port = bootstrap_port  # an SGLang prefill's bootstrap server (None: SGLang's 8998)
         self.connect_timeout_s, self.timeout_s = connect_timeout_s, timeout_s
         self.first_byte_timeout_s, self.health_timeout_s = first_byte_timeout_s, health_timeout_s
-        # monotonic time of the engine's last answer to a request (headers in): a timeout after it was
-        # sent is a queue, not a hang (``GatewayCluster.report_failure``)
+        # monotonic time of the engine's last answer to a request (headers in): a request that timed out
+        # while the engine answered others waited in its queue; no hang (``GatewayCluster.report_failure``)
         self.answered_at = float("-inf")
 
     def _timeout(self, streaming: bool | None) -> aiohttp.ClientTimeout:
