@@ -77,7 +77,7 @@ def evaluate(name: str, a: argparse.Namespace, setting: str) -> dict[str, Any]:
     return {"workload": name, "eval": len(w.requests), "points": out}
 
 
-def render(results: list[dict[str, Any]], a: Any, command: str, setting: str) -> str:
+def render(results: list[dict[str, Any]], command: str, setting: str) -> str:
     rows, prows = [], []
     for r in results:
         for pt in r["points"]:
@@ -92,7 +92,7 @@ def render(results: list[dict[str, Any]], a: Any, command: str, setting: str) ->
             for k, v in pt["runs"].items():
                 prows.append([*lbl, f"**{k}**" if k == DEFERRED else k, C.pct(statistics.mean(v)),
                               f"{C.pct(min(v))}-{C.pct(max(v))}", f"{100 * (max(v) - min(v)):.1f}"])
-    n = results[0]["points"][0]["runs"][DEFERRED] if results and results[0]["points"] else []
+    seeds = len(results[0]["points"][0]["runs"][DEFERRED])
     return f"""
 **Command** (regenerates this block and results.json):
 
@@ -104,7 +104,7 @@ def render(results: list[dict[str, Any]], a: Any, command: str, setting: str) ->
 `llama3-70b-a800x8-gap`, TBT <= 200 ms, every policy admitting against the SLO with the same learned
 predictors). "conductor + defer" = conductor with deferral.md's tuned setting (**{setting}**); the
 others are goodput-curves' strongest baselines for the workload, as they ship. Each is run with seeds
-0-{len(n) - 1} (`conductor simulate --seed`: engine timing noise, the scheduler's tie-breaks and the
+0-{seeds - 1} (`conductor simulate --seed`: engine timing noise, the scheduler's tie-breaks and the
 prompts' salt; the same trace and arrivals). Seed 0 is deferral.md's run. Ratios are attainment
 ratios at equal offered load (= goodput ratios); "best other" is taken per seed.
 
@@ -138,7 +138,7 @@ def main() -> None:
         results = [evaluate(n, a, setting) for n in a.workloads.split(",")]
         command = C.command_line()
         C.save_json(C.DOCS / PAGE / "results.json", {"command": command, "setting": setting, "results": results})
-    C.write_doc(C.DOCS / f"{PAGE}.md", "Seeds: how much of a ratio is the run", render(results, a, command, setting),
+    C.write_doc(C.DOCS / f"{PAGE}.md", "Seeds: how much of a ratio is the run", render(results, command, setting),
                 "## Discussion\n\n(hand-written; kept when the command regenerates the block above)\n", command)
     print(f"wrote {C.DOCS / PAGE}.md")
 
