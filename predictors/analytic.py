@@ -13,8 +13,13 @@ predictors must beat, and are graded against engines they share no constants wit
   At least one token is always computed (engines recompute the last prompt token), so a full
   hit costs the same as ``prompt - 1`` cached tokens.
 * decode step (TBT) = max(weights + KV read / bandwidth, FLOPs / peak) + overhead, for the
-  batch with this request added and its KV at its largest (prompt + max_tokens); past the KV
-  capacity the step is stretched by the overcommit ratio (preemption and recompute).
+  batch with this request added and its KV at its largest (prompt + max_tokens), at most the KV
+  capacity: a vLLM-class engine admits a request only once its prompt's blocks fit (and preempts
+  the newest when running ones outgrow the cache), so what is reserved past the capacity waits for
+  room (the ledger's decode wait, part of TTFT) and is not read by the step. Counting it in the
+  step as well predicted 0.17 s steps where the engine ran 0.05 s and 20 s waits for room that
+  took 3-5 s (docs/predictors.md). ``roofline_decode_step_s`` itself still stretches a step past
+  the capacity by the overcommit ratio, for callers that pass KV already resident.
 * transfer = latency + tokens x KV bytes per token / bandwidth; the network and the shared
   store share the NIC bandwidth, a host-tier hit loads at host bandwidth.
 * queue = the ledger's sum of predicted prefill seconds still queued (Mooncake's T_queue).
@@ -267,7 +272,11 @@ class AnalyticTBT:
     def tbt(self, state: DecodeState, prompt_tokens: int, max_tokens: int) -> float:
         r = self.book.keyed(state.instance)[1]
         kv = state.kv_tokens + prompt_tokens + (max_tokens if max_tokens > 1 else 1)
-        return roofline_decode_step_s(r, state.running + 1, kv)
+        batch = state.running + 1
+        cap = r.kv_capacity_tokens
+        if kv > cap:  # what is reserved past the cache waits for room, it is not in the step
+            batch, kv = max(1, int(batch * cap / kv)), cap
+        return roofline_decode_step_s(r, batch, kv)
 
 
 def analytic_predictors(book: DeploymentBook | None = None, *, prior: Prior | None = None) -> Predictors:
