@@ -265,18 +265,24 @@ class AnalyticTransfer:
         return latency + tokens * dst.kv_bytes_per_token / bandwidth
 
 
+def reserved_decode_step_s(r: Roofline, batch: int, kv_tokens: int) -> float:
+    """The decode step of what the ledger has reserved on an instance: past the KV capacity the
+    excess waits for room (the ledger's decode wait), so the step reads a full cache and carries
+    the batch's share that fits."""
+    cap = r.kv_capacity_tokens
+    if kv_tokens > cap:
+        batch, kv_tokens = max(1, int(batch * cap / kv_tokens)), cap
+    return roofline_decode_step_s(r, batch, kv_tokens)
+
+
 class AnalyticTBT:
     def __init__(self, book: DeploymentBook):
         self.book = book
 
     def tbt(self, state: DecodeState, prompt_tokens: int, max_tokens: int) -> float:
         r = self.book.keyed(state.instance)[1]
-        kv = state.kv_tokens + prompt_tokens + (max_tokens if max_tokens > 1 else 1)
-        batch = state.running + 1
-        cap = r.kv_capacity_tokens
-        if kv > cap:  # what is reserved past the cache waits for room, it is not in the step
-            batch, kv = max(1, int(batch * cap / kv)), cap
-        return roofline_decode_step_s(r, batch, kv)
+        return reserved_decode_step_s(r, state.running + 1, state.kv_tokens + prompt_tokens
+                                      + (max_tokens if max_tokens > 1 else 1))
 
 
 def analytic_predictors(book: DeploymentBook | None = None, *, prior: Prior | None = None) -> Predictors:

@@ -8,7 +8,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from predictors.analytic import Prior, Roofline, roofline_decode_step_s, roofline_prefill_s
+from predictors.analytic import Prior, Roofline, reserved_decode_step_s, roofline_prefill_s
 from predictors.dataset import HandoverRow, PrefillRow, TBTRow
 from predictors.facts import Deployment
 from predictors.fit_weights import Fitted
@@ -66,7 +66,7 @@ class Physics:
         return sum(roofline_prefill_s(self.prior_roofline[dep], p, c) for p, c in items)
 
     def analytic_tbt(self, dep: str, running: int, kv: int, prompt: int, max_tokens: int) -> float:
-        return roofline_decode_step_s(self.prior_roofline[dep], running + 1, kv + prompt + max(1, max_tokens))
+        return reserved_decode_step_s(self.prior_roofline[dep], running + 1, kv + prompt + max(1, max_tokens))
 
     def analytic_transfer(self, src: str, dst: str, tokens: int) -> float:
         s, d = self.prior_roofline[src], self.prior_roofline[dst]
