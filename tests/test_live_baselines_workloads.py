@@ -61,7 +61,7 @@ def test_conversation_default_is_what_its_page_says():
     assert f"`conductor loadgen {flags} --repeat 2`" in page
     la, w = _workload_of()
     assert la.trace.endswith("mooncake_conversation_trace.jsonl") and len(w.base.requests) == 400
-    assert (w.load_kind, w.loads) == ("speedup", [8.0])
+    assert (w.load_kind, w.loads) == ("speedup", [16.0])
     assert L.WORKLOADS["conversation"].page == "live-baselines"
 
 

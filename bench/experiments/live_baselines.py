@@ -9,7 +9,8 @@ same workload to each in turn. Loopback only.
 Workloads (``--workload``; each writes its own page, docs/experiments/<page>.md with
 <page>/results.json, and the loadgen outputs to out/experiments/<page>/):
 
-- ``conversation`` (default): the first 400 requests of the Mooncake conversation trace at 8x,
+- ``conversation`` (default): the first 400 requests of the Mooncake conversation trace at 16x
+  (8x, the load before the analytic TBT fix of 2026-12-02, no longer overloads at TTFT 30 s),
   against dynamo_cost, sglang_cache_aware, prefix_only -> live-baselines.md;
 - ``azure_code``: the Azure code trace (no shared prefixes) against dynamo_cost, least_loaded,
   random -> live-baselines-azure-code.md;
@@ -94,7 +95,7 @@ def synthetic_source(settings: dict[str, Any]) -> tuple[str, ...]:
 
 WORKLOADS = {
     "conversation": LiveWorkload("live-baselines", "Conductor against every policy, live", ("--trace", TRACE),
-                                 "--limit", 400, "--speedup", 8.0, "dynamo_cost,sglang_cache_aware,prefix_only"),
+                                 "--limit", 400, "--speedup", 16.0, "dynamo_cost,sglang_cache_aware,prefix_only"),
     "azure_code": LiveWorkload("live-baselines-azure-code", "Conductor against every policy, live: Azure code trace",
                                ("--trace", "data/traces/azure_code_2023.csv"), "--limit", 4000, "--speedup", 80.0,
                                "dynamo_cost,least_loaded,random",
