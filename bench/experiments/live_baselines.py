@@ -97,7 +97,7 @@ WORKLOADS = {
     "conversation": LiveWorkload("live-baselines", "Conductor against every policy, live", ("--trace", TRACE),
                                  "--limit", 400, "--speedup", 16.0, "dynamo_cost,sglang_cache_aware,prefix_only"),
     "azure_code": LiveWorkload("live-baselines-azure-code", "Conductor against every policy, live: Azure code trace",
-                               ("--trace", "data/traces/azure_code_2023.csv"), "--limit", 4000, "--speedup", 80.0,
+                               ("--trace", "data/traces/azure_code_2023.csv"), "--limit", 4000, "--speedup", 120.0,
                                "dynamo_cost,least_loaded,random",
                                about="The Azure code trace has no prefix information: every prompt is unique, so "
                                      "placement can only balance load."),
