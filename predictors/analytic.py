@@ -265,14 +265,18 @@ class AnalyticTransfer:
         return latency + tokens * dst.kv_bytes_per_token / bandwidth
 
 
-def reserved_decode_step_s(r: Roofline, batch: int, kv_tokens: int) -> float:
-    """The decode step of what the ledger has reserved on an instance: past the KV capacity the
-    excess waits for room (the ledger's decode wait), so the step reads a full cache and carries
-    the batch's share that fits."""
-    cap = r.kv_capacity_tokens
+def resident_share(batch: int, kv_tokens: int, cap: int) -> tuple[int, int]:
+    """The batch and KV a decode step runs when the ledger has reserved ``kv_tokens`` on an
+    instance holding ``cap``: past the capacity the excess waits for room (the ledger's decode
+    wait), so the step reads a full cache and carries the batch's share that fits."""
     if kv_tokens > cap:
-        batch, kv_tokens = max(1, int(batch * cap / kv_tokens)), cap
-    return roofline_decode_step_s(r, batch, kv_tokens)
+        return max(1, int(batch * cap / kv_tokens)), cap
+    return batch, kv_tokens
+
+
+def reserved_decode_step_s(r: Roofline, batch: int, kv_tokens: int) -> float:
+    """The decode step of what the ledger has reserved on an instance (:func:`resident_share`)."""
+    return roofline_decode_step_s(r, *resident_share(batch, kv_tokens, r.kv_capacity_tokens))
 
 
 class AnalyticTBT:

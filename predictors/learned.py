@@ -31,7 +31,15 @@ from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Sequence
 
 from predictors import learned_online
-from predictors.analytic import AnalyticQueue, AnalyticTBT, AnalyticTransfer, DeploymentBook, Prior, Roofline
+from predictors.analytic import (
+    AnalyticQueue,
+    AnalyticTBT,
+    AnalyticTransfer,
+    DeploymentBook,
+    Prior,
+    Roofline,
+    resident_share,
+)
 from predictors.base import DecodeState, Predictors
 from predictors.facts import Deployment
 from predictors.learned_compiled import CompiledTerms, compile_terms
@@ -209,9 +217,12 @@ class LearnedBundle:
             return None
         kv = (state.kv_tokens if state.kv_tokens > 0 else 0) + (prompt_tokens if prompt_tokens > 0 else 0) + (
             max_tokens if max_tokens > 1 else 1)
+        batch = (state.running if state.running > 0 else 0) + 1
+        if kv > c.kv_capacity_tokens:  # as tbt_features
+            batch, kv = resident_share(batch, kv, c.kv_capacity_tokens)
         if max_tokens != self._share_of:  # every candidate of a decision asks with the same max_tokens
             self._share_of, self._share = max_tokens, slowest_share(max_tokens - 1 if max_tokens > 1 else 0)
-        return (k[0] + k[1] * kv + k[2] * ((state.running if state.running > 0 else 0) + 1) + k[3] * self._share
+        return (k[0] + k[1] * kv + k[2] * batch + k[3] * self._share
                 + k[4] * (self.decode_cluster if cluster is None else cluster))
 
     def transfer_base(self, tokens: int, source: str, destination: str, busy_s: float | None = None) -> float | None:
@@ -277,8 +288,10 @@ class LearnedBundle:
                 out.append(self.tbt(state, prompt_tokens, max_tokens))
                 continue
             kv = (state.kv_tokens if state.kv_tokens > 0 else 0) + extra
-            t = (k[0] + k[1] * kv + k[2] * ((state.running if state.running > 0 else 0) + 1) + k[3] * share
-                 + k[4] * cluster)
+            batch = (state.running if state.running > 0 else 0) + 1
+            if kv > c.kv_capacity_tokens:
+                batch, kv = resident_share(batch, kv, c.kv_capacity_tokens)
+            t = k[0] + k[1] * kv + k[2] * batch + k[3] * share + k[4] * cluster
             out.append(t if factor is None else t * factor(c.group_key, 1.0))
         return out
 

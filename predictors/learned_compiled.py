@@ -26,6 +26,7 @@ class CompiledTerms:
     transfer: tuple[float, float] | None  # latency, bytes per token (over the bandwidth)
     store: tuple[float, float, float, float] | None  # latency, s per token (fitted, at peak), per s of link wait
     host: tuple[float, float] | None  # latency, seconds per token loaded from the host tier
+    kv_capacity_tokens: int  # the TBT features' capacity (the deployment's public estimate)
 
 
 def compile_terms(models: LearnedModels, key: int, r: Roofline, ts: float, group: str,
@@ -58,4 +59,4 @@ def compile_terms(models: LearnedModels, key: int, r: Roofline, ts: float, group
                                 t.coef[2] * 2.0 * r.params / r.flops_per_s, t.coef[3] * weights,
                                 t.coef[4] * 2.0 * r.params / r.flops_per_s),
         None if x is None else (x.coef[0] * ts, x.coef[1] * r.kv_bytes_per_token),
-        store(), load("host", Tier.HOST))
+        store(), load("host", Tier.HOST), r.kv_capacity_tokens)

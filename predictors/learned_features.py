@@ -14,7 +14,7 @@ from functools import lru_cache
 from statistics import NormalDist
 from typing import Sequence
 
-from predictors.analytic import Prior, Roofline
+from predictors.analytic import Prior, Roofline, resident_share
 from predictors.facts import TIME_SCALE_SEP, Deployment
 from predictors.types import Tier
 
@@ -86,9 +86,11 @@ def tbt_features(r: Roofline, time_scale: float, running: int, kv_tokens: int, p
     then what decides the slowest 10% of its gaps: the weight read times :func:`slowest_share` of
     its gaps (a longer decode sees more of the step's spread and of the batch's swings), and the
     per-sequence FLOPs times the cluster's decode load (reservations per decode instance, which
-    the scheduler spreads over the instances: the batch this one drifts to after placement)."""
-    batch = max(0, running) + 1
-    kv = max(0, kv_tokens) + max(0, prompt_tokens) + max(1, max_tokens)
+    the scheduler spreads over the instances: the batch this one drifts to after placement).
+    The batch and KV are what runs of the reservations (:func:`~predictors.analytic.resident_share`
+    at the deployment's public capacity estimate): past it, the excess waits for room."""
+    batch, kv = resident_share(max(0, running) + 1, max(0, kv_tokens) + max(0, prompt_tokens) + max(1, max_tokens),
+                               r.kv_capacity_tokens)
     weights, per_seq = r.weight_bytes / r.mem_bytes_per_s, 2.0 * r.params / r.flops_per_s
     return [weights, kv * r.kv_bytes_per_token / r.mem_bytes_per_s, per_seq * batch,
             weights * slowest_share(max(1, max_tokens) - 1), per_seq * max(0.0, cluster_running)]

@@ -57,6 +57,30 @@ def test_calibrate_recovers_the_tbt_weights_of_the_new_features(exact):
         TRUE["tbt"][4] * 30.0 * 2.0 * r.params / r.flops_per_s, rel=1e-6)
 
 
+def test_kv_reserved_past_the_capacity_reads_a_full_cache_with_the_batch_that_fits(exact):
+    """Past the deployment's capacity the excess waits for room (the ledger's decode wait, its own
+    term), so the features, and the served closed form with them, stop growing with it: ten
+    times the capacity reserved costs a step of a full cache, not ten times its KV read."""
+    d = load_deployment(DEPLOYMENT)
+    r = physics(d)
+    cap = r.kv_capacity_tokens
+    full = tbt_features(r, 1.0, 9, cap - 800, 500, 300)
+    over = tbt_features(r, 1.0, 99, 10 * cap, 500, 300)
+    assert over[1] == pytest.approx(full[1], rel=1e-3)  # a full cache's KV read
+    fits = int(100 * cap / (10 * cap + 800))  # the batch's share that fits: 9 of 100
+    assert fits == 9 and over[2] == pytest.approx(fits * 2.0 * r.params / r.flops_per_s)
+    p = learned_predictors(exact, online=False)
+    p.register("d-1", d, cap)
+    states = [DecodeState("d-1", 9, cap - 800), DecodeState("d-1", 99, 10 * cap), DecodeState("d-1", 4, 9000)]
+    served = [p.tbt.tbt(s, 500, 300) for s in states]
+    for s, t in zip(states, served, strict=True):
+        x = tbt_features(r, 1.0, s.running, s.kv_tokens, 500, 300)
+        want = sum(w * v for w, v in zip(TRUE["tbt"], x, strict=True))
+        assert t == pytest.approx(want, rel=1e-6)
+    assert served[1] < served[0] * 1.2
+    assert p.tbt.tbt_many(states, 500, 300) == pytest.approx(served, rel=1e-12)  # type: ignore[attr-defined]
+
+
 def test_a_tbt_model_from_before_the_new_features_serves_them_at_zero(exact, tmp_path):
     raw = json.load(open(os.path.join(exact, MODELS_FILE)))
     tr = raw["terms"]["tbt"]

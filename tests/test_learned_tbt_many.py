@@ -26,7 +26,7 @@ def test_tbt_many_equals_tbt_per_candidate(online):
         bundle.ewma["tbt"].factor[bundle._compiled(i).group_key] = 0.8 + rng.random() * 0.4
     for _ in range(200):
         p.decode_load(rng.choice([0.0, rng.random() * 40]))  # type: ignore[misc]
-        states = [DecodeState(i, rng.randrange(-1, 60), rng.randrange(-5, 200_000)) for i in rng.sample(ids, 9)]
+        states = [DecodeState(i, rng.randrange(-1, 60), rng.randrange(-5, 2_000_000)) for i in rng.sample(ids, 9)]
         prompt, max_tokens = rng.randrange(-1, 9000), rng.choice([0, 1, 2, rng.randrange(1, 2048)])
         many = bundle.tbt_many(states, prompt, max_tokens)
         assert many == [bundle.tbt(s, prompt, max_tokens) for s in states]
