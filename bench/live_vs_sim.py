@@ -16,6 +16,7 @@ Exit code 0 when every figure is within the bounds (``--ttft-tol``, ``--tbt-tol`
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -184,6 +185,31 @@ def first_divergence(live_out: str, index: int) -> dict[str, Any] | None:
     return None
 
 
+def same_up_to_one_relabelling(pairs: list[tuple[str | None, str | None]]) -> float:
+    """The share of (live, simulated) instances that agree when, from one request on, the
+    instances may be renamed (a permutation): a near-tie flip between equal instances sends the
+    rest of the run down the mirrored path, the same schedule under other names. Exact over all
+    permutations up to 6 instances; beyond that, without renaming."""
+    n = len(pairs)
+    if n == 0:
+        return 1.0
+    names = sorted({x for p in pairs for x in p if x is not None})
+    same = [1 if a is not None and a == b else 0 for a, b in pairs]
+    prefix = [0]
+    for v in same:
+        prefix.append(prefix[-1] + v)
+    best = prefix[n]
+    if 1 < len(names) <= 6:
+        for perm in itertools.permutations(names):
+            rename = dict(zip(names, perm, strict=True))
+            suffix = 0  # agreements on requests k.. under the renaming
+            for k in range(n - 1, -1, -1):
+                a, b = pairs[k]
+                suffix += 1 if a is not None and rename[a] == b else 0
+                best = max(best, prefix[k] + suffix)
+    return best / n
+
+
 def compare(live_dir: str, sim_dir: str, time_scale: float) -> dict[str, Any]:
     """Both runs' figures in modelled seconds and the per-request agreement."""
     from loadgen.metrics import percentile
@@ -230,6 +256,8 @@ def compare(live_dir: str, sim_dir: str, time_scale: float) -> dict[str, Any]:
         "slo_attainment": {"live": ls["slo_attainment"], "sim": ss["slo_attainment"]},
         "rejected": {"live": ls["rejected"], "sim": ss["rejected"]},
         "same_prefill": len(same_p) / len(placed) if placed else 1.0,
+        "same_prefill_renamed": same_up_to_one_relabelling(
+            [(live[i].get("prefill_instance"), sim[i].get("prefill_instance")) for i in placed]),
         "same_status": len(same_status) / len(both) if both else 1.0,
         "same_decode": len(same_d) / len(placed) if placed else 1.0,
         "ttft_abs_diff_p50_s": percentile(ttft_diff, 50) if ttft_diff else None,
@@ -249,6 +277,8 @@ class Bounds:
     tbt_jitter_wall_ms: float = 24.0
     tpot: float = 0.05  # mean gaps: a late token makes the next gap short, so delays cancel here
     attainment: float = 0.03  # absolute
+    # of requests on the same prefill instance, allowing one renaming of the instances from some
+    # request on (same_up_to_one_relabelling): a near-tie flip mirrors the rest of the run
     same_prefill: float = 0.90
     # TPOT's tail is which requests shared a batch: the decode choice ("earliest first token") is
     # a near-tie between decode instances that a millisecond of live timing flips (scores 0.1 ms
@@ -288,8 +318,9 @@ def check(c: dict[str, Any], b: Bounds) -> list[str]:
     tol = b.attainment + near_slo(c, b)
     if abs(a["live"] - a["sim"]) > tol:
         bad.append(f"SLO attainment: live {a['live']:.3f} vs sim {a['sim']:.3f} (tolerance {tol:.3f})")
-    if c["same_prefill"] < b.same_prefill:
-        bad.append(f"same prefill instance for {c['same_prefill']:.1%} of requests (< {b.same_prefill:.0%})")
+    same = c.get("same_prefill_renamed", c["same_prefill"])
+    if same < b.same_prefill:
+        bad.append(f"same prefill instance for {same:.1%} of requests, up to one renaming (< {b.same_prefill:.0%})")
     return bad
 
 
@@ -315,6 +346,8 @@ def table(c: dict[str, Any]) -> str:
     n = c["requests"]
     rows.append(f"| requests matched | {n['matched']} | of {n['live']} / {n['sim']} | |")
     rows.append(f"| same prefill instance | {c['same_prefill']:.1%} | | |")
+    if "same_prefill_renamed" in c:
+        rows.append(f"| same prefill instance, up to one renaming | {c['same_prefill_renamed']:.1%} | | |")
     if "same_decode" in c:
         rows.append(f"| same decode instance | {c['same_decode']:.1%} | | |")
     rows.append(f"| same status | {c['same_status']:.1%} | | |")

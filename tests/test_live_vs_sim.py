@@ -74,3 +74,23 @@ def test_simulated_requests_carry_the_ids_loadgen_sends(tmp_path):
     out = run_sweep(cfg)
     ids = {r.request_id for step in out.steps for r in step.records}
     assert ids == {f"s{s}-t{t}-r{i}" for s in range(2) for t in range(2) for i in range(4)}
+
+
+def test_one_renaming_forgives_a_mirrored_rest_of_the_run_only():
+    """A near-tie flip between two equal instances sends the rest of the run down the mirrored
+    path: the same schedule under swapped names. One renaming from some request on forgives
+    that, not a second flip nor a different pattern."""
+    f = B.same_up_to_one_relabelling
+    run = ["p0", "p1", "p1", "p0", "p1", "p0", "p0", "p1", "p0", "p1"]
+    swap = {"p0": "p1", "p1": "p0"}
+    assert f(list(zip(run, run, strict=True))) == 1.0 and f([]) == 1.0
+    mirrored = run[:4] + [swap[x] for x in run[4:]]
+    assert f(list(zip(mirrored, run, strict=True))) == 1.0
+    twice = mirrored[:7] + run[7:]  # flipped back after three requests: those three stay wrong
+    assert f(list(zip(twice, run, strict=True))) == 0.7
+    other = ["p0"] * 10  # everything on one instance: not the same schedule under any names
+    assert f(list(zip(other, run, strict=True))) == 0.6  # at best, the run's p0s up to request 6, its p1s after
+    three = ["p0", "p1", "p2"] * 3
+    rotated = three[:3] + [{"p0": "p1", "p1": "p2", "p2": "p0"}[x] for x in three[3:]]
+    assert f(list(zip(rotated, three, strict=True))) == 1.0
+    assert f([(None, "p0"), ("p0", "p0")]) == 0.5  # placed on one side only: never the same
