@@ -143,6 +143,7 @@ def test_time_scale_stretches_the_load_and_the_slos_in_wall_time():
                             _args("--time-scale", "2.5", "--slo-tbt-ms", "100"), L.C.OUT / "unused")
     la = build_parser().parse_args(cmd[4:])
     assert (la.slo_ttft_ms, la.slo_tbt_ms) == (12500.0, 250.0)
+    assert la.timeout == 2.5 * build_parser().get_default("timeout")  # the per-request limit, stretched too
 
 
 def test_time_scale_reaches_each_gateway_with_its_slo_and_the_wait_rooms_seconds(monkeypatch, tmp_path):

@@ -29,8 +29,8 @@ dispatch (``--policy-param defer=on``, gateway/waiting.py).
 
 ``--time-scale T`` runs the engines T times slower than real time (the embedded cluster's
 ``time_scale``, as bench/live_vs_sim.py does) and stretches everything else to match: arrivals and
-think times T times wider, the SLOs, the gateway's upstream timeouts and the wait room's seconds T
-times longer. The cluster then faces the same load in modelled time while the gateway and the
+think times T times wider, the SLOs, the gateway's upstream timeouts, loadgen's request timeout and
+the wait room's seconds T times longer. The cluster then faces the same load in modelled time while the gateway and the
 client handle 1/T of the requests and tokens per wall second, so a 2-core machine measures
 placement rather than its own CPU; the page reports modelled seconds.
 """
@@ -49,6 +49,7 @@ from typing import Any
 import _common as C
 
 from gateway.config import GatewayConfig  # noqa: E402
+from loadgen.runner import RunnerOptions  # noqa: E402
 from predictors.cli_args import key_value  # noqa: E402
 from scheduler.deferral_params import DeferParams  # noqa: E402
 from tests.servers import stop  # noqa: E402
@@ -150,7 +151,10 @@ def loadgen_command(urls: list[str], w: LiveWorkload, ttft_ms: float, a: argpars
                     out: Path) -> list[str]:
     return [sys.executable, "-m", "gateway.cli", "loadgen", *[x for u in urls for x in ("--target", u)],
             *workload_flags(w, a), "--repeat", str(a.repeat), "--slo-ttft-ms", f"{ttft_ms * a.time_scale:g}",
-            "--slo-tbt-ms", f"{a.slo_tbt_ms * a.time_scale:g}", "--seed", "0", "--out", str(out), "--quiet"]
+            "--slo-tbt-ms", f"{a.slo_tbt_ms * a.time_scale:g}", "--seed", "0", "--out", str(out), "--quiet",
+            # loadgen's per-request limit stretched as the gateways' (at 6x, 300 s of wall time cut off
+            # answers that met the SLO: 50 modelled seconds end to end)
+            "--timeout", f"{RunnerOptions.timeout_s * a.time_scale:g}"]
 
 
 def start(policy: str, ttft_ms: float, a: argparse.Namespace, cfg_dir: Path) -> tuple[Any, str]:
@@ -389,10 +393,10 @@ def write_page(w: LiveWorkload, a: argparse.Namespace, results: dict[str, Any]) 
     if a.time_scale != 1:
         t = f"{a.time_scale:g}"
         about += (f"Time scale {t} (`--time-scale`): the engines run {t}x slower than real time, and the load "
-                  "above, the SLOs given to the gateways and to loadgen, the gateways' upstream timeouts and the "
-                  f"wait room's seconds are stretched {t}x to match, so the cluster sees the same load in modelled "
-                  f"time while the gateway and the client carry 1/{t} of the requests per wall second. SLOs, TTFT "
-                  "and goodput are in modelled seconds (wall / time scale).\n")
+                  "above, the SLOs given to the gateways and to loadgen, the gateways' upstream timeouts, loadgen's "
+                  f"request timeout and the wait room's seconds are stretched {t}x to match, so the cluster sees the "
+                  f"same load in modelled time while the gateway and the client carry 1/{t} of the requests per wall "
+                  "second. SLOs, TTFT and goodput are in modelled seconds (wall / time scale).\n")
     if a.health_timeout_s is not None:
         about += (f"Every gateway probes its engines' health with a {a.health_timeout_s:g} s timeout (the default "
                   "0.8 s ejected a CPU-starved engine with its requests in progress).\n")
