@@ -318,7 +318,7 @@ def check(c: dict[str, Any], b: Bounds) -> list[str]:
     tol = b.attainment + near_slo(c, b)
     if abs(a["live"] - a["sim"]) > tol:
         bad.append(f"SLO attainment: live {a['live']:.3f} vs sim {a['sim']:.3f} (tolerance {tol:.3f})")
-    same = c.get("same_prefill_renamed", c["same_prefill"])
+    same = c["same_prefill_renamed"]
     if same < b.same_prefill:
         bad.append(f"same prefill instance for {same:.1%} of requests, up to one renaming (< {b.same_prefill:.0%})")
     return bad
@@ -346,8 +346,7 @@ def table(c: dict[str, Any]) -> str:
     n = c["requests"]
     rows.append(f"| requests matched | {n['matched']} | of {n['live']} / {n['sim']} | |")
     rows.append(f"| same prefill instance | {c['same_prefill']:.1%} | | |")
-    if "same_prefill_renamed" in c:
-        rows.append(f"| same prefill instance, up to one renaming | {c['same_prefill_renamed']:.1%} | | |")
+    rows.append(f"| same prefill instance, up to one renaming | {c['same_prefill_renamed']:.1%} | | |")
     if "same_decode" in c:
         rows.append(f"| same decode instance | {c['same_decode']:.1%} | | |")
     rows.append(f"| same status | {c['same_status']:.1%} | | |")

@@ -30,9 +30,9 @@ dispatch (``--policy-param defer=on``, gateway/waiting.py).
 ``--time-scale T`` runs the engines T times slower than real time (the embedded cluster's
 ``time_scale``, as bench/live_vs_sim.py does) and stretches everything else to match: arrivals and
 think times T times wider, the SLOs, the gateway's upstream timeouts, loadgen's request timeout and
-the wait room's seconds T times longer. The cluster then faces the same load in modelled time while the gateway and the
-client handle 1/T of the requests and tokens per wall second, so a 2-core machine measures
-placement rather than its own CPU; the page reports modelled seconds.
+the wait room's seconds T times longer. The cluster then faces the same load in modelled time while
+the gateway and the client handle 1/T of the requests and tokens per wall second, so a 2-core
+machine measures placement rather than its own CPU; the page reports modelled seconds.
 """
 from __future__ import annotations
 
