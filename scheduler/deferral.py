@@ -41,6 +41,12 @@ Rules, for any policy (``defer=on`` among its parameters, as ``cost_admission``)
   evaluation is free; a live gateway pays about a millisecond of its event loop for each, and with
   ``scan`` 64 the simulator's room made ~38 per request on the live synthetic page's load (a waiter
   re-evaluated at every pump, ~10 a second, until it left; docs/experiments/live-baselines-synthetic.md);
+* with ``eval_every_s`` > 0 (0 by default), the scans' evaluations are paid from a budget refilled
+  one per ``eval_every_s`` seconds of the clock, holding at most ``scan``: a pump stops when it is
+  spent (deadlines and last chances, the heap's, are never held for it). A live gateway pumps on every
+  arrival, every request's end and a timer, so a full room ran the whole scan ~10 times a wall second
+  (half its event loop); the simulator pumps less. The budget makes both spend the same evaluations
+  per second of their clock, and bounds the share of the loop the room can take;
 * with ``last_chance`` (off by default), a waiting request is not held past its last chance:
   once its predicted TTFT behind the queue as it is leaves less than ``slack`` x its TTFT SLO of
   what remains, it is dispatched whatever the queue (shortest-job-first alone starves long
@@ -125,7 +131,8 @@ class WaitRoom:
         self._waiting: dict[str, Waiter] = {}
         self._deadlines: list[tuple[float, int, str]] = []  # (expires_s, seq, id); stale entries skipped
         self._seq = itertools.count()
-        self.counts: dict[str, int] = {"waited": 0, "dispatched": 0, DEADLINE: 0, "refused": 0, "cancelled": 0}
+        self.counts: dict[str, int] = {"waited": 0, "dispatched": 0, DEADLINE: 0, "refused": 0, "cancelled": 0,
+                                       "evaluations": 0}
         if self.params.floor_every:
             self.counts["floor"] = 0  # the floor's dispatches (a key only with it on: counts as they were)
         self._order = PumpOrder()  # cheapest first, with the fairness floor (deferral_order.py)
@@ -134,6 +141,9 @@ class WaitRoom:
         # answer is kept across pumps while the index is unchanged.
         self._frame: LoadFrame | None = None
         self._matches: MatchCache = {}
+        # the evaluation budget (``eval_every_s``): a bucket of evaluations, refilled on the clock
+        self._budget = float(self.params.scan)
+        self._budget_at: float | None = None
 
     @property
     def enabled(self) -> bool:
@@ -176,6 +186,7 @@ class WaitRoom:
 
     def _evaluate(self, facts: RequestFacts, avoid: set[str] | None = None) -> Placement | Rejection:
         """``Scheduler.evaluate`` through the current frame (a new one after any decision)."""
+        self.counts["evaluations"] += 1
         return self.scheduler.evaluate(facts, avoid or (), frame=self._current_frame())
 
     def _current_frame(self) -> LoadFrame:
@@ -216,12 +227,17 @@ class WaitRoom:
             return out
         misses = 0
         fresh = now - self.params.reeval_s  # evaluated after this: not again in this pump
+        budget = self._refill(now)
         # each is evaluated again even if the instance it chose last is still busy: skipping those
         # (the policy may choose another instance now) cost 1-5 points of attainment
         for w, floor_turn in self._order.waiters(self._waiting, now, self.params):
             if self.params.reeval_s > 0 and w.evaluated_s > fresh:
                 continue  # (its deadline and last chance still wake the room: the heap above)
+            if budget and self._budget < 1:
+                break  # spent: the next pump goes on (deadlines and last chances never wait for it)
+            spent = self.counts["evaluations"]
             d = self._reconsider(w, now)
+            self._budget -= self.counts["evaluations"] - spent
             if d is not None:
                 out.append(d)
             if d is not None and isinstance(d[1], Placement):
@@ -239,6 +255,16 @@ class WaitRoom:
                 if misses >= self.params.scan:
                     break
         return out
+
+    def _refill(self, now: float) -> bool:
+        """Credit the evaluation budget for the time since the last pump; False: no budget."""
+        every = self.params.eval_every_s
+        if every <= 0:
+            return False
+        if self._budget_at is not None:
+            self._budget = min(float(self.params.scan), self._budget + (now - self._budget_at) / every)
+        self._budget_at = now
+        return True
 
     def _reconsider(self, w: Waiter, now: float) -> Decided | None:
         """Evaluate a waiting request with its remaining SLO: dispatch it, keep it waiting (None)

@@ -15,7 +15,7 @@ PARAM_KEYS = {"defer": "enabled", "defer_horizon_s": "horizon_s", "defer_aging":
               "defer_wait_holder": "wait_holder", "defer_holder_ratio": "holder_ratio",
               "defer_holder_fallback": "holder_fallback", "defer_floor_every": "floor_every",
               "defer_floor_quantile": "floor_quantile", "defer_slack_aging": "slack_aging",
-              "defer_reeval_s": "reeval_s"}
+              "defer_reeval_s": "reeval_s", "defer_eval_every_s": "eval_every_s"}
 
 
 @dataclass(frozen=True)
@@ -47,10 +47,15 @@ class DeferParams:
     # evaluation (0: at every pump). Virtual time makes evaluations free; a live gateway pays ~1 ms
     # of its event loop for each (docs/experiments/live-baselines-synthetic.md)
     reeval_s: float = 0.0
+    # the pumps' evaluation budget (0: none): one evaluation per this many seconds of the clock on
+    # average, at most ``scan`` in a burst. It bounds the share of a live gateway's event loop the
+    # room takes however many wait (a full room ran the whole scan at every wake-up), and the
+    # simulator, on the same clock, spends the very same budget (docs/experiments/pump-cost.md)
+    eval_every_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name, v in (("defer_horizon_s", self.horizon_s), ("defer_aging", self.aging), ("defer_slack", self.slack),
-                        ("defer_reeval_s", self.reeval_s)):
+                        ("defer_reeval_s", self.reeval_s), ("defer_eval_every_s", self.eval_every_s)):
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"{name} must be a number >= 0, got {v!r}")
         if not (isinstance(self.holder_ratio, (int, float)) and not isinstance(self.holder_ratio, bool)

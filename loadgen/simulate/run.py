@@ -33,11 +33,14 @@ class RunStats:
     sim_s: float = 0.0
     engine_steps: int = 0
     ignored_kv_events: int = 0
+    wait_room: dict[str, int] = field(default_factory=dict)  # the room's counts (deferred dispatch on)
 
     def as_dict(self, wall: bool = True) -> dict[str, Any]:
         """``wall=False``: only what the seed determines (summary.json stays byte-identical)."""
         out: dict[str, Any] = {"events": self.events, "simulated_s": self.sim_s, "engine_steps": self.engine_steps,
                                "ignored_kv_events": self.ignored_kv_events}
+        if self.wait_room:
+            out["wait_room"] = dict(self.wait_room)
         if wall:
             out.update(wall_s=self.wall_s, events_per_s=self.events / self.wall_s if self.wall_s else None,
                        simulated_s_per_wall_s=self.sim_s / self.wall_s if self.wall_s else None)
@@ -150,7 +153,8 @@ def simulate(workload: Workload, cluster: ClusterSpec, sched: SchedulerSpec, *, 
         loop.run(on_tick=lambda: bar.tick(loop))
     bar.tick(loop, force=True)
     stats = RunStats(events=loop.events, wall_s=time.perf_counter() - wall0, sim_s=loop.now,
-                     engine_steps=sum(i.steps for i in sim.instances.values()), ignored_kv_events=sim.ignored_events)
+                     engine_steps=sum(i.steps for i in sim.instances.values()), ignored_kv_events=sim.ignored_events,
+                     wait_room=dict(sim.room.counts) if sim.room.enabled else {})
     if sim.active():
         raise RuntimeError(f"simulation ended with {sim.active()} requests unfinished (a bug)")
     if not sim.scheduler.ledger.is_idle():
