@@ -158,7 +158,7 @@ def test_time_scale_reaches_each_gateway_with_its_slo_and_the_wait_rooms_seconds
 
     monkeypatch.setattr(tests.servers, "serve", serve)
     a = _args("--defer", "--defer-param", "defer_aging=0.05", "--defer-param", "defer_reeval_s=0.5",
-              "--time-scale", "4")
+              "--defer-param", "defer_eval_every_s=0.004", "--time-scale", "4")
     L.start("conductor+defer", 5000.0, a, tmp_path)
     L.start("conductor", 5000.0, _args(), tmp_path)
     (cfg, flags), (real, plain) = configs["conductor+defer-5000.toml"], configs["conductor-5000.toml"]
@@ -166,6 +166,7 @@ def test_time_scale_reaches_each_gateway_with_its_slo_and_the_wait_rooms_seconds
     assert (cfg.slo.ttft_s, cfg.slo.tbt_s) == (20.0, 0.8) and (real.slo.ttft_s, real.slo.tbt_s) == (5.0, 0.2)
     room, rest = split_params(dict(f.split("=", 1) for f in flags if f != "--policy-param"))
     assert room.enabled and room.horizon_s == 4 * DeferParams().horizon_s and room.reeval_s == 2.0
+    assert room.eval_every_s == 0.016  # the budget per second of the clock: as many per modelled second
     assert room.aging == 0.05 and rest == {}  # a ratio: the same at any time scale
     assert plain == ()
     default = GatewayConfig()
