@@ -58,5 +58,9 @@ def test_the_command_is_byte_deterministic_with_defer_on(tmp_path):
     p2 = conductor(*args, "--out", str(tmp_path / "b"))
     assert p2.returncode == 0, p2.stderr
     assert (tmp_path / "a" / "summary.json").read_bytes() == (tmp_path / "b" / "summary.json").read_bytes()
+    # the summary carries the room's counts: every waiter was evaluated at least at its arrival
+    room = json.loads((tmp_path / "a" / "summary.json").read_text())["steps"][0]["simulation"]["wait_room"]
+    assert room["evaluations"] >= room["waited"] > 0
+    assert room["waited"] == room["dispatched"] + room["deadline"] + room["refused"] + room["cancelled"]
     recs = [json.loads(x) for x in (tmp_path / "a" / "requests.jsonl").read_text().splitlines()]
     assert any("wait_s" in (r.get("extra") or {}) for r in recs)
