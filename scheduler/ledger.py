@@ -12,11 +12,14 @@ and an observation older than ``observe_ttl_s`` is ignored.
 """
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from predictors.base import DecodeState, PrefillState
+from scheduler.policies.base import _coerce  # the same parsing as every policy parameter
 
 _prefill_state = tuple.__new__  # a PrefillState built in C (its generated __new__ is a Python call)
 
@@ -40,6 +43,7 @@ class Reservation:
     decode_end_s: float  # predicted
     prefill_pending: bool = True
     output_tokens: int = 0  # of kv_tokens, the output (max_tokens): held only as it is generated
+    ready_s: float = -1.0  # its KV ready to ship to the decode instance (the prefill's end); < 0: decode_start_s
 
 
 @dataclass(slots=True)
@@ -69,11 +73,57 @@ class _Load:
     decode_now: DecodeState | None = None  # cached (running, kv) view; None when stale
 
 
+def split_params(policy_params: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
+    """``decode_fifo`` (the ledger's decode wait replayed first come first served; off by default)
+    out of a policy's raw parameters, and the rest. Any policy takes it."""
+    rest = dict(policy_params)
+    return bool(_coerce("decode_fifo", bool, rest.pop("decode_fifo", False))), rest
+
+
+def _fifo_kv_wait(d: _Load, need: int, t0: float, now: float) -> float:
+    """``decode_kv_wait`` as a decode engine admits: first come first served as KV frees. The
+    reservations are replayed in the order their KV is ready, each taking room once everyone before
+    it has been admitted and holding its prompt and half its output from then to its predicted end
+    (an overdue one ends any moment now); then the new request at ``t0``. Without the replay a
+    waiter is counted from its prefill's end and the new request is placed in room earlier waiters
+    take first (docs/experiments/live-baselines-synthetic.md)."""
+    def ready(r: Reservation) -> float:
+        return r.ready_s if r.ready_s >= 0 else r.decode_start_s
+
+    free = float(d.kv_capacity_tokens)
+    ends: list[tuple[float, float]] = []  # (end, tokens) of those admitted
+    last = -math.inf  # the latest admission so far: nobody behind it goes earlier
+
+    def admit(tokens: float, at: float) -> float:
+        nonlocal free, last
+        t = at if at > last else last
+        while free < tokens and ends:
+            end, held = heapq.heappop(ends)
+            free += held
+            if end > t:
+                t = end
+        last = t
+        return t
+
+    for r in sorted(d.decoding.values(), key=ready):
+        at = ready(r)
+        if at > t0:
+            break  # after the new request: it goes first
+        held = r.kv_tokens - r.output_tokens / 2
+        t = admit(held, at)
+        free -= held
+        end = t + (r.decode_end_s - r.decode_start_s)
+        heapq.heappush(ends, (end if end > now else now, held))
+    return max(0.0, admit(float(need), t0) - now)
+
+
 class Ledger:
     """Reservations and the per-instance load they add up to; pure, clock passed in."""
 
-    def __init__(self, observe_ttl_s: float = 10.0):
+    def __init__(self, observe_ttl_s: float = 10.0, fifo_decode: bool = False):
         self.observe_ttl_s = observe_ttl_s
+        # the decode wait as the engine admits waiters: first come first served (``_fifo_kv_wait``)
+        self.fifo_decode = fifo_decode
         self._loads: dict[str, _Load] = {}
         self._reservations: dict[str, Reservation] = {}
         self._load_avg: float | None = None  # decode_load's smoothed reservations per instance
@@ -137,6 +187,7 @@ class Ledger:
         self._unqueue(r, now)
         duration = r.decode_end_s - r.decode_start_s
         r.decode_start_s, r.decode_end_s = now, now + duration
+        r.ready_s = now
         return True
 
     def release(self, request_id: str, now: float) -> bool:
@@ -278,6 +329,8 @@ class Ledger:
         cap = d.kv_capacity_tokens
         if d.kv_tokens + need_tokens <= cap:  # fits even if everyone held their whole output: the usual case
             return 0.0
+        if self.fifo_decode:
+            return _fifo_kv_wait(d, need_tokens, t0 if t0 > now else now, now)
         if t0 < now:  # the KV is ready already: what matters is room from now on, not at a past instant
             t0 = now
         # a reservation decoding over [start, end) holds prompt + output x (t - start) / span: a

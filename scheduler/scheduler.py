@@ -24,7 +24,7 @@ from scheduler.explain import bare_record, request_labels
 from scheduler.frame import LoadFrame
 from scheduler.hit_index import HitIndex
 from scheduler.inflight import InflightPrefixes
-from scheduler.ledger import Ledger
+from scheduler.ledger import Ledger, split_params as split_ledger
 from scheduler.overload import CostWindow, split_params
 from scheduler.policies import POLICIES, make_policy
 from scheduler.state import LoadLedger, PrefixIndex
@@ -69,6 +69,9 @@ class Scheduler:
         # wait room reads them (the scheduler itself decides the same either way)
         self.defer: DeferParams
         self.defer, policy_params = split_defer(policy_params)
+        # the decode wait replayed as the engine admits, first come first served (an opt-in model:
+        # docs/experiments/live-baselines-synthetic.md); any policy takes it
+        fifo_decode, policy_params = split_ledger(policy_params)
         self.policy = make_policy(policy, **policy_params)
         self.overload: CostWindow | None = CostWindow(overload) if overload.enabled else None
         self.policy_name = policy
@@ -86,7 +89,7 @@ class Scheduler:
         self.admission = admission
         self.late_rejection = late_rejection
         self.index: PrefixIndex = index if index is not None else HitIndex(block_size)
-        self.ledger: LoadLedger = ledger if ledger is not None else Ledger()
+        self.ledger: LoadLedger = ledger if ledger is not None else Ledger(fifo_decode=fifo_decode)
         self.inflight = InflightPrefixes()
         self._inflight = self.policy.reads_inflight  # kept only for a policy that reads it
         # analytic predictors over the instances' public deployments unless some are injected

@@ -21,6 +21,7 @@ from predictors.cli_args import (
 from predictors.learned import ModelError, load_models
 from predictors.registry import predictor_names
 from scheduler.deferral import split_params as split_defer
+from scheduler.ledger import split_params as split_ledger
 from scheduler.overload import split_params as split_overload
 from scheduler.policies import POLICIES, make_policy
 
@@ -105,6 +106,7 @@ def _policies(a: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
     try:  # the scheduler's own parameters (any policy takes them) first, as Scheduler() splits them
         _, rest = split_defer(params)
         _, rest = split_overload(rest, False)
+        _, rest = split_ledger(rest)
         make_policy(a.policy, **rest)
     except ValueError as e:
         raise CLIError(str(e)) from None
