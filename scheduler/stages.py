@@ -285,7 +285,7 @@ def _commit(sched: Scheduler, ctx: DecisionContext, ch: Choice, commit: bool) ->
                                          need, now, decode_start,
                                          decode_start + max(1, facts.max_tokens) * d.tbt_s,
                                          output_tokens=max(1, facts.max_tokens),
-                                         ready_s=now + ch.ttft - ch.decode_wait_s - ch.kv_s - ch.first_step_s), now)
+                                         ready_s=ch.prefill_done_at), now)
         if sched._inflight:
             sched.inflight.add(rid, p.id, facts.block_hashes[:ctx.usable_blocks])
         # what its prefill will write through to the store: the prompt's whole blocks the store lacks
