@@ -74,10 +74,10 @@ class _Load:
 
 
 def split_params(policy_params: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
-    """``decode_fifo`` (the ledger's decode wait replayed first come first served; off by default)
-    out of a policy's raw parameters, and the rest. Any policy takes it."""
+    """``decode_fifo`` (the ledger's decode wait replayed first come first served; on by default,
+    ``off`` keeps the earlier sweep) out of a policy's raw parameters, and the rest. Any policy takes it."""
     rest = dict(policy_params)
-    return bool(_coerce("decode_fifo", bool, rest.pop("decode_fifo", False))), rest
+    return bool(_coerce("decode_fifo", bool, rest.pop("decode_fifo", True))), rest
 
 
 def _fifo_kv_wait(d: _Load, need: int, t0: float, now: float) -> float:
@@ -120,7 +120,7 @@ def _fifo_kv_wait(d: _Load, need: int, t0: float, now: float) -> float:
 class Ledger:
     """Reservations and the per-instance load they add up to; pure, clock passed in."""
 
-    def __init__(self, observe_ttl_s: float = 10.0, fifo_decode: bool = False):
+    def __init__(self, observe_ttl_s: float = 10.0, fifo_decode: bool = True):
         self.observe_ttl_s = observe_ttl_s
         # the decode wait as the engine admits waiters: first come first served (``_fifo_kv_wait``)
         self.fifo_decode = fifo_decode

@@ -1,6 +1,7 @@
 """``decode_fifo`` (scheduler/ledger.py ``_fifo_kv_wait``): the decode wait replayed as a decode
-engine admits, first come first served as KV frees. The shipped sweep counts a waiter as decoding
-from its prefill's end and lets a new request take room an earlier waiter will take first."""
+engine admits, first come first served as KV frees (the default). The earlier sweep, kept as
+``decode_fifo=off``, counts a waiter as decoding from its prefill's end and lets a new request take
+room an earlier waiter will take first."""
 from __future__ import annotations
 
 import pytest
@@ -11,14 +12,15 @@ from scheduler.ledger import Ledger, Reservation, split_params
 from tests.test_simulate import conductor
 
 
-def test_the_option_parses_for_any_policy_and_is_off_by_default():
-    assert split_params({"decode_fifo": "on", "work_weight": 2}) == (True, {"work_weight": 2})
-    assert split_params({}) == (False, {})
+def test_the_option_parses_for_any_policy_and_is_on_by_default():
+    assert split_params({"decode_fifo": "off", "work_weight": 2}) == (False, {"work_weight": 2})
+    assert split_params({}) == (True, {})
     with pytest.raises(ValueError, match="decode_fifo"):
         split_params({"decode_fifo": "maybe"})
     insts = [Instance("p", "prefill"), Instance("d", "decode")]
-    assert Scheduler(insts, policy="round_robin", decode_fifo="on").ledger.fifo_decode
-    assert not Scheduler(insts, policy="conductor", slo=SLO(ttft_s=1.0)).ledger.fifo_decode
+    assert not Scheduler(insts, policy="round_robin", decode_fifo="off").ledger.fifo_decode
+    assert Scheduler(insts, policy="conductor", slo=SLO(ttft_s=1.0)).ledger.fifo_decode
+    assert not Ledger(fifo_decode=False).fifo_decode and Ledger().fifo_decode
 
 
 def _busy(fifo: bool) -> Ledger:
@@ -73,5 +75,5 @@ def test_conductor_simulate_takes_it_for_any_policy_and_refuses_a_bad_value(tmp_
     args = ["--synthetic", "--requests", "20", "--rate", "20", "--prefill", "1", "--decode", "1", "--quiet"]
     bad = conductor(*args, "--policy-param", "decode_fifo=maybe", "--out", str(tmp_path / "bad"))
     assert bad.returncode != 0 and "decode_fifo" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
-    ok = conductor(*args, "--policy", "lmetric", "--policy-param", "decode_fifo=on", "--out", str(tmp_path / "ok"))
+    ok = conductor(*args, "--policy", "lmetric", "--policy-param", "decode_fifo=off", "--out", str(tmp_path / "ok"))
     assert ok.returncode == 0, ok.stderr

@@ -201,7 +201,7 @@ def test_observe_rejects_impossible_numbers_without_raising():
 
 
 def test_decode_kv_wait_is_the_first_departure_that_makes_room():
-    led = Ledger()
+    led = Ledger(fifo_decode=False)  # the sweep (decode_fifo=off)
     led.add_instance("d", kv_capacity_tokens=10_000)
     assert led.decode_kv_wait("d", 4000, 0.0, 0.0) == 0.0  # empty: room now
     # two decodes holding 4000-token prompts and 1000 output tokens each, ending at 10 s and 20 s
@@ -256,7 +256,7 @@ def _kv_wait_by_definition(led, iid, need, t0, now):
                 max_size=30),
        st.integers(1, 8000), st.floats(0, 60), st.floats(0, 10))
 def test_decode_kv_wait_sweep_matches_its_definition(rs, need, t0, now):
-    led = Ledger()
+    led = Ledger(fifo_decode=False)  # the sweep (decode_fifo=off)
     led.add_instance("d", kv_capacity_tokens=20_000)
     for k, (start, span, prompt, out) in enumerate(rs):
         led.reserve(Reservation(f"r{k}", "p", "d", 0, 0.0, prompt + out, 0.0, start, start + span,
