@@ -19,11 +19,14 @@ Rules, for any policy (``defer=on`` among its parameters, as ``cost_admission``)
 * its TTFT SLO runs from its arrival: every later evaluation gets the *remaining* SLO through
   ``RequestFacts.slo``, and once even drained queues cannot meet it the request is refused
   (429 ``deadline``, with the time it waited);
-* ``pump`` goes through the waiting requests by predicted prefill cost after cache hits (the
-  cheapest candidate's), minus ``aging`` x seconds waited, and dispatches each whose chosen
-  instance's queue is within the horizon. It evaluates nobody while every prefill instance's
-  queue exceeds the horizon (one ledger read), and stops after ``scan`` evaluations in a row that
-  dispatched nobody (an evaluation costs a decision: at 64P+64D a pump of 16 took ~30 ms);
+* ``pump`` goes through the waiting requests by job size, minus ``aging`` x seconds waited: by
+  default (``size`` "prefill") the predicted prefill cost after cache hits (the cheapest
+  candidate's); with ``size`` "pools" its share of both pools, prefill seconds over the prefill
+  instances plus decode KV-seconds over the decode instances' KV (deferral_waiter.py ``_sized``),
+  and dispatches each whose chosen instance's queue is within the horizon. It evaluates nobody
+  while every prefill instance's queue exceeds the horizon (one ledger read), and stops after
+  ``scan`` evaluations in a row that dispatched nobody (an evaluation costs a decision: at
+  64P+64D a pump of 16 took ~30 ms);
 * with ``spill`` (off by default), a waiting request whose chosen instance's queue exceeds the
   horizon is evaluated again with the busy instances avoided as destinations (``evaluate(facts,
   avoid=...)``: the policy's own choice among those with room; a busy holder still serves its
@@ -167,7 +170,7 @@ class WaitRoom:
         if slo.ttft_s is None or getattr(facts, "request_id", None) in self._waiting:
             return lc.decide(facts)  # no deadline to order by (or a duplicate id): as without a wait room
         self._frame = None  # a new instant (offers come between pumps)
-        view = holdable(self._evaluate(facts), slo, self.params)
+        view = holdable(self._evaluate(facts), slo, self.params, self._scale())
         self._frame = None
         if view is None:
             self._matches.pop(facts.request_id, None)
@@ -188,6 +191,10 @@ class WaitRoom:
         """``Scheduler.evaluate`` through the current frame (a new one after any decision)."""
         self.counts["evaluations"] += 1
         return self.scheduler.evaluate(facts, avoid or (), frame=self._current_frame())
+
+    def _scale(self) -> tuple[int, int] | None:
+        """The pools a "pools" job size is a share of (None: sized by prefill alone)."""
+        return self.scheduler.pool_scale() if self.params.size == "pools" else None
 
     def _current_frame(self) -> LoadFrame:
         f = self._frame
@@ -277,7 +284,7 @@ class WaitRoom:
         w.evaluated_s = now
         if isinstance(ev, Rejection) and ev.reason == "ttft_slo_unreachable":
             return self._expire(w, now)
-        view = holdable(ev, w.slo, self.params)
+        view = holdable(ev, w.slo, self.params, self._scale())
         if view is None:  # dispatch, or refused for another reason: as without a wait room
             return self._decide(w, facts, now)
         if self.params.spill:
@@ -347,7 +354,7 @@ class WaitRoom:
         """What the decision record says about the wait."""
         return {"arrived_s": w.arrived_s, "waited_s": now - w.arrived_s, "slo_ttft_s": w.slo.ttft_s,
                 "remaining_ttft_s": None if w.slo.ttft_s is None else w.slo.ttft_s - (now - w.arrived_s),
-                "cost_s": w.cost_s, "floor_s": w.floor_s, "horizon_s": self.params.horizon_s,
+                "cost_s": w.cost_s, "size_s": w.size_s, "floor_s": w.floor_s, "horizon_s": self.params.horizon_s,
                 "last_chance": w.due_s <= now,
                 "evaluations": w.evaluations, **({"waited_for_holder": w.held_for} if w.held_for else {})}
 

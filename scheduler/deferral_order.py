@@ -46,10 +46,10 @@ class PumpOrder:
         if p.slack_aging:
             def key(w: Waiter) -> tuple[float, int]:
                 left = 1.0 - (now - w.arrived_s) / (w.slo.ttft_s or math.inf)
-                return w.cost_s * max(left, 0.0) + aging * w.arrived_s, w.seq
+                return w.size_s * max(left, 0.0) + aging * w.arrived_s, w.seq
         else:
             def key(w: Waiter) -> tuple[float, int]:
-                return w.cost_s + aging * w.arrived_s, w.seq
+                return w.size_s + aging * w.arrived_s, w.seq
         by_priority = sorted(waiting.values(), key=key)
         if not p.floor_every:
             for w in by_priority:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 from scheduler.policies.base import _coerce  # the same parsing as every policy parameter
 
@@ -15,7 +15,12 @@ PARAM_KEYS = {"defer": "enabled", "defer_horizon_s": "horizon_s", "defer_aging":
               "defer_wait_holder": "wait_holder", "defer_holder_ratio": "holder_ratio",
               "defer_holder_fallback": "holder_fallback", "defer_floor_every": "floor_every",
               "defer_floor_quantile": "floor_quantile", "defer_slack_aging": "slack_aging",
-              "defer_reeval_s": "reeval_s", "defer_eval_every_s": "eval_every_s"}
+              "defer_reeval_s": "reeval_s", "defer_eval_every_s": "eval_every_s",
+              "defer_size": "size"}
+
+#: how the room sizes a waiting request for its cheapest-first order (``defer_size``)
+Size = Literal["prefill", "pools"]
+SIZES: tuple[str, ...] = get_args(Size)
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,12 @@ class DeferParams:
     # room takes however many wait (a full room ran the whole scan at every wake-up), and the
     # simulator, on the same clock, spends the very same budget (docs/experiments/pump-cost.md)
     eval_every_s: float = 0.0
+    # the room's job size, cheapest first: "prefill", the predicted prefill (+ pull) seconds on its
+    # cheapest candidate; "pools", its share of both pools: those seconds over the prefill
+    # instances plus the KV it holds while decoding (prompt + half its output, for its output
+    # tokens at the predicted TBT) over the decode instances' KV. A decode-bound cluster spends its
+    # KV, not its prefill, on each request (docs/experiments/live-baselines-synthetic.md)
+    size: Size = "prefill"
 
     def __post_init__(self) -> None:
         for name, v in (("defer_horizon_s", self.horizon_s), ("defer_aging", self.aging), ("defer_slack", self.slack),
@@ -66,6 +77,8 @@ class DeferParams:
             raise ValueError(f"defer_spill_ratio must be a number >= 1 (inf: any cost), got {r!r}")
         if not isinstance(self.scan, int) or isinstance(self.scan, bool) or self.scan < 1:
             raise ValueError(f"defer_scan must be a positive integer, got {self.scan!r}")
+        if self.size not in SIZES:
+            raise ValueError(f"defer_size must be one of {', '.join(SIZES)}, got {self.size!r}")
         k = self.floor_every
         if not isinstance(k, int) or isinstance(k, bool) or k < 0:
             raise ValueError(f"defer_floor_every must be an integer >= 0 (0: off), got {k!r}")
@@ -83,6 +96,6 @@ def split_params(policy_params: dict[str, Any]) -> tuple[DeferParams, dict[str, 
         if key in rest:
             hint = {"enabled": bool, "last_chance": bool, "spill": bool, "wait_holder": bool,
                     "holder_fallback": bool, "scan": int, "floor_every": int,
-                    "slack_aging": bool}.get(name, float)
+                    "slack_aging": bool, "size": Size}.get(name, float)
             kw[name] = _coerce(key, hint, rest.pop(key))
     return DeferParams(**kw), rest

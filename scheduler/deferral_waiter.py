@@ -34,6 +34,7 @@ class Waiter:
     cost_s: float  # predicted prefill (+ pull) seconds on its cheapest candidate, after cache hits
     floor_s: float  # its best TTFT with every queue drained
     seq: int
+    size_s: float = 0.0  # the room's order: its job size (``defer_size``), set by ``update``
     instance: str | None = None  # the prefill instance its last evaluation chose
     due_s: float = math.inf  # its last chance: dispatched then behind the queue it was last evaluated at
     evaluations: int = 1
@@ -53,7 +54,7 @@ class Waiter:
         return min(self.due_s, self.expires_s)
 
     def update(self, v: View) -> None:
-        self.cost_s, self.floor_s, self.instance = v.cost_s, v.floor_s, v.instance
+        self.cost_s, self.floor_s, self.instance, self.size_s = v.cost_s, v.floor_s, v.instance, v.size_s
         if v.instead_of is not None:
             self.held_for = v.instance
         ttft = self.slo.ttft_s
@@ -72,11 +73,34 @@ class View:
     ttft_s: float | None  # predicted TTFT behind the queue (None: refused, it does not fit now)
     slack_s: float  # < 0: no last chance
     instead_of: str | None = None  # wait_holder: the instance the policy chose, passed over for ``instance``
+    size_s: float = 0.0  # its job size for the room's order (``defer_size``; "prefill": ``cost_s``)
 
 
-def holdable(d: Placement | Rejection, slo: SLO, p: DeferParams) -> View | None:
+def _sized(v: View, record: dict[str, Any], p: DeferParams, scale: tuple[int, int] | None) -> View:
+    """``v`` with its job size (``defer_size``). "pools": the prefill seconds over the prefill
+    instances plus its decode's KV-seconds (prompt + half its output, held for its output at the
+    chosen pair's predicted TBT) over the decode instances' KV, both shares of a pool-second; a
+    decode-bound cluster is spent by the second term, a prefill-bound one by the first."""
+    v.size_s = v.cost_s
+    if p.size == "pools" and scale is not None:
+        n_prefill, kv = scale
+        out = record.get("max_tokens") or 0
+        tbt = (record.get("terms") or {}).get("tbt_s") or 0.0
+        held = ((record.get("prompt_tokens") or 0) + out / 2) * out * tbt
+        v.size_s = v.cost_s / max(n_prefill, 1) + (held / kv if kv > 0 else 0.0)
+    return v
+
+
+def holdable(d: Placement | Rejection, slo: SLO, p: DeferParams,
+             scale: tuple[int, int] | None = None) -> View | None:
     """What waiting is judged on, when it may help: placed behind a queue longer than the
-    horizon, or refused for TTFT alone while drained queues meet it; None: decide now."""
+    horizon, or refused for TTFT alone while drained queues meet it; None: decide now.
+    ``scale``: ``Scheduler.pool_scale()``, for the "pools" size."""
+    v = _holdable(d, slo, p)
+    return v if v is None else _sized(v, d.explanation, p, scale)
+
+
+def _holdable(d: Placement | Rejection, slo: SLO, p: DeferParams) -> View | None:
     slack = p.slack * (slo.ttft_s or 0.0) if p.last_chance else -1.0
     if isinstance(d, Placement):
         if d.queue_s <= p.horizon_s:

@@ -333,6 +333,12 @@ class Scheduler:
         queue_time = self.predictors.queue.queue_time
         return {s.instance: queue_time(s) for s in states}
 
+    def pool_scale(self) -> tuple[int, int]:
+        """The healthy prefill instances and the KV tokens of the healthy decode instances: what the
+        wait room's ``pools`` size divides a request's work by (scheduler/deferral_waiter.py)."""
+        pools = self._pools(frozenset())
+        return len(pools.prefill), sum(self._kv_capacity[i.id] for i in pools.decode)
+
     def min_prefill_queue_s(self, now: float | None = None, frame: LoadFrame | None = None) -> float:
         """The shortest predicted prefill queue over the healthy prefill instances (inf with none)."""
         return min(self.prefill_queues_s(now, frame).values(), default=float("inf"))
