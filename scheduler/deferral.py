@@ -1,5 +1,6 @@
-"""Deferred dispatch ("late binding"): requests wait at the gateway and are dispatched cheapest
-predicted prefill first when a prefill instance's queue is short (issue 15).
+"""Deferred dispatch ("late binding"): requests wait at the gateway and are dispatched smallest
+first (predicted prefill, or with ``size`` "pools" the share of both pools) when a prefill
+instance's queue is short (issue 15).
 
 Why: a scheduler that decides once, at arrival, in front of engines that run their queues first
 come first served, admits under overload whichever request arrives while a queue happens to be

@@ -69,8 +69,8 @@ class Scheduler:
         # wait room reads them (the scheduler itself decides the same either way)
         self.defer: DeferParams
         self.defer, policy_params = split_defer(policy_params)
-        # the decode wait replayed as the engine admits, first come first served (an opt-in model:
-        # docs/experiments/live-baselines-synthetic.md); any policy takes it
+        # the decode wait replayed as the engine admits, first come first served (on by default,
+        # decode_fifo=off for the earlier sweep: docs/scheduler.md); any policy takes it
         fifo_decode, policy_params = split_ledger(policy_params)
         self.policy = make_policy(policy, **policy_params)
         self.overload: CostWindow | None = CostWindow(overload) if overload.enabled else None
