@@ -13,6 +13,8 @@ points; the best mean attainment over every workload and point wins); then on th
 slice at each point: conductor with defer off and on (the tuned setting), and the best other policy of
 goodput-curves/results.json at that point, off and on; attainment by prompt-length quartile.
 Beside them: the best other's stored attainment and the LP bound of goodput-bound/results.json.
+With extra settings (``--floor-setting``), also conductor with each, and a per-workload table: the
+setting each workload's own training slice prefers of the page's and the extra ones.
 Writes docs/experiments/deferral.md (+ results.json); full outputs in out/experiments/deferral/.
 """
 from __future__ import annotations
@@ -87,6 +89,11 @@ GRID: dict[str, dict[str, Any]] = {
     "horizon 1 s, aging 0.05, scan 64, wait holder x2, fallback": {**_BASE, "defer_wait_holder": True,
                                                                  "defer_holder_ratio": 2.0,
                                                                  "defer_holder_fallback": True},
+    # the wait room sized by its share of both pools, not prefill alone (defer_size=pools; the synthetic
+    # live page's setting), with and without aging
+    "tuned, pools": {**_TUNED, "defer_size": "pools"},
+    "tuned, pools, aging 0": {**_TUNED, "defer_size": "pools", "defer_aging": 0.0},
+    "tuned, aging 0": {**_TUNED, "defer_aging": 0.0},
     "tuned, floor 4": {**_TUNED, "defer_floor_every": 4},
     "tuned, floor 8": {**_TUNED, "defer_floor_every": 8},
     "tuned, floor 16": {**_TUNED, "defer_floor_every": 16},
@@ -275,13 +282,14 @@ def render(results: list[dict[str, Any]], horizon: str, a: argparse.Namespace, c
     loss = C.md_table(["workload", "TTFT SLO", "load", "run", "attainment", "refused", "of which deadline",
                        "unreachable", "late TTFT", "late TBT", "waited", "waited and met the SLO", "mean wait (s)",
                        "TTFT mean (s)", "prefix hit"], lrows)
+    per_workload = per_workload_table(results, horizon, floors)
     named = "; ".join(f"**{f.removeprefix('tuned, ')}**: " + ", ".join(
         f"{k}={v}" for k, v in GRID[f].items() if k not in GRID[horizon] or GRID[horizon][k] != v) for f in floors)
     floor_block = "" if not floors else f"""
-**Fairness floor** (conductor with the setting above plus {named}; from the training slices, see the
-discussion; "conductor + defer + ..." in the tables below; target: Q4 no lower than conductor's without
-deferral, attainment at most ~1 point under conductor + defer; "floor dispatches": the floor's dispatches /
-those that met the SLO):
+**Extra settings** (`--floor-setting`: conductor with the setting above plus {named}; a fairness floor or
+another order, from the training slices, see the discussion; "conductor + defer + ..." in the tables below;
+a floor's target: Q4 no lower than conductor's without deferral, attainment at most ~1 point under
+conductor + defer; "floor dispatches": the floor's dispatches / those that met the SLO, "-" for none):
 
 {C.md_table(["workload", "TTFT SLO", "load", "floor setting", "Q4 conductor", "Q4 conductor + defer",
              "Q4 + floor", "Q4 + floor >= conductor", "conductor + defer", "+ floor", "floor cost (points)",
@@ -311,7 +319,7 @@ Ratios are attainment ratios at equal offered load (= goodput ratios); bound = t
 attainment bound of goodput-bound/results.json (no policy can exceed it); the last column is the share
 of that bound 1.2x the best other needs.
 
-{summary}{floor_block}
+{summary}{floor_block}{per_workload}
 **Tuning** (conductor on the *training* slice; SLO attainment; "aging 0.05": 0.05 s of predicted
 cost forgiven per second waited; "scan 64": a pump gives up after 64 evaluations in a row that
 dispatched nobody (default 4); "last chance": a waiting request is dispatched behind a long queue once
@@ -331,6 +339,35 @@ still meet the SLO once the holder has room):
 **Where the requests went**:
 
 {loss}"""
+
+
+def per_workload(r: dict[str, Any], settings: list[str]) -> str:
+    """Of ``settings``, the one with the best mean attainment over this workload's training points
+    (ties: the earlier): the choice of an operator who tunes the room on their own traffic."""
+    rows = r["tuning"].values()
+    return max(settings, key=lambda h: (round(statistics.mean(t[h] for t in rows), 6), -settings.index(h)))
+
+
+def per_workload_table(results: list[dict[str, Any]], horizon: str, floors: list[str]) -> str:
+    """conductor + defer with each workload's own training choice among the page's setting and the
+    extra ones (``--floor-setting``), against the best other: empty without extra settings."""
+    if not floors:
+        return ""
+    settings, rows = [horizon, *floors], []
+    for r in results:
+        h = per_workload(r, settings)
+        for pt in r["points"]:
+            v = pt["runs"]["conductor + defer" if h == horizon else floor_run(h)]["slo_attainment"]
+            bo = pt["runs"]["best other"]["slo_attainment"]
+            rows.append([r["workload"], f"{pt['ttft_s']:g} s", load_label(r["workload"], pt["load"]),
+                         h.removeprefix("tuned, "), f"**{C.pct(v)}**", pt["best"], C.pct(bo),
+                         f"**{v / max(bo, 1e-9):.2f}x**", "yes" if v >= 1.2 * bo else "no"])
+    return f"""
+**Per workload** (the setting each workload's own training slice prefers, of the page's and the extra
+ones: the best mean training attainment over that workload's points; "best other" as in the first table):
+
+{C.md_table(["workload", "TTFT SLO", "load", "setting (tuned on the workload)", "conductor + defer",
+             "best other", "best other (rerun)", "conductor + defer / best other", "1.2x or more"], rows)}"""
 
 
 def tuning_table(results: list[dict[str, Any]]) -> str:

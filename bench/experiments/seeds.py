@@ -8,8 +8,9 @@ conversation page's setting (live-baselines.md) with seeds 0-6 moved the rivals'
 
 At the points of deferral.md still short of 1.2x (by default; ``--all-points`` for its ten), with
 deferral.md's calibrated models and evaluation slices: conductor with deferral.md's tuned deferral
-and every policy of goodput-curves' strongest baselines for the workload, as they ship, for each
-seed. Reports per point the ratio per seed (conductor + defer / the best other of that seed),
+(``--per-workload``: the setting its per-workload table chose for the workload) and every policy of
+goodput-curves' strongest baselines for the workload (``--all-others``: every other built-in policy),
+as they ship, for each seed. Reports per point the ratio per seed (conductor + defer / the best other of that seed),
 its mean and range, and the ratio of the mean attainments. Writes docs/experiments/seeds.md (+
 results.json); ``--from-results`` re-renders it.
 """
@@ -59,10 +60,25 @@ def point_summary(runs: dict[str, list[float]]) -> dict[str, Any]:
             "ratio_of_means": means[DEFERRED] / max(means[best_mean], 1e-9)}
 
 
+def others(name: str, every: bool) -> list[str]:
+    """The rivals: goodput-curves' strongest for the workload, or every other built-in policy."""
+    return [p for p in B.POLICIES if not p.startswith("conductor")] if every else G.BASELINES[name]
+
+
+def settings(per_workload: bool) -> dict[str, str]:
+    """conductor + defer's setting per workload: deferral.md's, or (``per_workload``) the one its
+    per-workload table chose from that workload's training slice."""
+    saved = json.loads((C.DOCS / "deferral" / "results.json").read_text())
+    if not per_workload:
+        return {r["workload"]: saved["setting"] for r in saved["results"]}
+    return {r["workload"]: D.per_workload(r, [saved["setting"], *saved.get("floor_settings", [])])
+            for r in saved["results"]}
+
+
 def evaluate(name: str, a: argparse.Namespace, setting: str) -> dict[str, Any]:
     spec, _, w, _, model_dir = B.calibrated_world(name, a, "deferral")  # deferral.md's predictors and slices
     points = D.POINTS[name] if a.all_points else SHORT[name]
-    labels = [(DEFERRED, "conductor", D.defer_params(setting)), *((p, p, {}) for p in G.BASELINES[name])]
+    labels = [(DEFERRED, "conductor", D.defer_params(setting)), *((p, p, {}) for p in others(name, a.all_others))]
     jobs = [(w, spec, policy, load, ttft, a.slo_tbt_ms, str(model_dir), params, seed)
             for ttft, load in points for _, policy, params in labels for seed in range(a.seeds)]
     with ProcessPoolExecutor(a.workers) as ex:
@@ -74,10 +90,10 @@ def evaluate(name: str, a: argparse.Namespace, setting: str) -> dict[str, Any]:
         print(f"  {name} {ttft:g}s {load:g}: ratio {s['ratio_mean']:.3f} ({s['ratio_min']:.3f}-{s['ratio_max']:.3f})",
               file=sys.stderr, flush=True)
         out.append({"ttft_s": ttft, "load": load, "runs": runs, **s})
-    return {"workload": name, "eval": len(w.requests), "points": out}
+    return {"workload": name, "eval": len(w.requests), "setting": setting, "points": out}
 
 
-def render(results: list[dict[str, Any]], command: str, setting: str) -> str:
+def render(results: list[dict[str, Any]], command: str, setting: str, every: bool = False) -> str:
     rows, prows = [], []
     for r in results:
         for pt in r["points"]:
@@ -93,6 +109,10 @@ def render(results: list[dict[str, Any]], command: str, setting: str) -> str:
                 prows.append([*lbl, f"**{k}**" if k == DEFERRED else k, C.pct(statistics.mean(v)),
                               f"{C.pct(min(v))}-{C.pct(max(v))}", f"{100 * (max(v) - min(v)):.1f}"])
     seeds = len(results[0]["points"][0]["runs"][DEFERRED])
+    own = [f"{r['workload']}: **{r['setting']}**" for r in results if r.get("setting", setting) != setting]
+    named = "" if not own else (", except where a workload's own training slice prefers another "
+                                f"(deferral.md's per-workload table): {'; '.join(own)}")
+    rivals = "every other built-in policy" if every else "goodput-curves' strongest baselines for the workload"
     return f"""
 **Command** (regenerates this block and results.json):
 
@@ -102,8 +122,8 @@ def render(results: list[dict[str, Any]], command: str, setting: str) -> str:
 
 **Setup.** deferral.md's cluster, calibrated predictors and evaluation slices (8P+8D
 `llama3-70b-a800x8-gap`, TBT <= 200 ms, every policy admitting against the SLO with the same learned
-predictors). "conductor + defer" = conductor with deferral.md's tuned setting (**{setting}**); the
-others are goodput-curves' strongest baselines for the workload, as they ship. Each is run with seeds
+predictors). "conductor + defer" = conductor with deferral.md's tuned setting (**{setting}**){named}; the
+others are {rivals}, as they ship. Each is run with seeds
 0-{seeds - 1} (`conductor simulate --seed`: engine timing noise, the scheduler's tie-breaks and the
 prompts' salt; the same trace and arrivals). Seed 0 is deferral.md's run. Ratios are attainment
 ratios at equal offered load (= goodput ratios); "best other" is taken per seed.
@@ -124,21 +144,29 @@ def main() -> None:
     p.add_argument("--reuse-models", action="store_true",
                    help="use out/experiments/deferral/<workload>/models when present (else calibrate there)")
     p.add_argument("--from-results", action="store_true", help="re-render the page from its results.json")
+    p.add_argument("--per-workload", action="store_true",
+                   help="conductor + defer with the setting deferral.md's per-workload table chose for the workload")
+    p.add_argument("--all-others", action="store_true",
+                   help="every other built-in policy as a rival, not only goodput-curves' strongest for the workload")
     a = p.parse_args()
     if a.seeds < 1 or a.workers < 1:
         p.error("--seeds and --workers must be at least 1")
     if a.from_results:
         saved = json.loads((C.DOCS / PAGE / "results.json").read_text())
         results, command, setting = saved["results"], saved["command"], saved["setting"]
+        every = saved.get("all_others", False)
     else:
         unknown = [n for n in a.workloads.split(",") if n not in SHORT]
         if unknown:
             p.error(f"--workloads: unknown {', '.join(unknown)} (one of {', '.join(SHORT)})")
         setting = json.loads((C.DOCS / "deferral" / "results.json").read_text())["setting"]
-        results = [evaluate(n, a, setting) for n in a.workloads.split(",")]
+        chosen, every = settings(a.per_workload), a.all_others
+        results = [evaluate(n, a, chosen.get(n, setting)) for n in a.workloads.split(",")]
         command = C.command_line()
-        C.save_json(C.DOCS / PAGE / "results.json", {"command": command, "setting": setting, "results": results})
-    C.write_doc(C.DOCS / f"{PAGE}.md", "Seeds: how much of a ratio is the run", render(results, command, setting),
+        C.save_json(C.DOCS / PAGE / "results.json", {"command": command, "setting": setting, "all_others": every,
+                                                     "results": results})
+    C.write_doc(C.DOCS / f"{PAGE}.md", "Seeds: how much of a ratio is the run",
+                render(results, command, setting, every),
                 "## Discussion\n\n(hand-written; kept when the command regenerates the block above)\n", command)
     print(f"wrote {C.DOCS / PAGE}.md")
 
