@@ -60,3 +60,24 @@ def test_all_others_are_every_built_in_policy_but_conductor():
     every = S.others("synthetic", True)
     assert set(every) == {p for p in POLICIES if not p.startswith("conductor")}
     assert S.others("synthetic", False) == S.G.BASELINES["synthetic"] and len(every) > len(S.others("synthetic", False))
+
+
+def test_the_hit_table_names_the_other_with_the_most_and_says_when_conductor_has_less(monkeypatch):
+    monkeypatch.setattr(S, "reuse_bounds", lambda: {"synthetic": 0.5})
+    pt = {"ttft_s": 30.0, "load": 2.5, "hits": {S.DEFERRED: [0.40, 0.44], "a": [0.45, 0.45], "b": [0.1, 0.1]}}
+    table = S.hits_table([{"workload": "synthetic", "points": [pt]}])
+    row = next(line for line in table.splitlines() if line.startswith("| synthetic"))
+    assert "a 45.0%" in row and "**no**" in row and "**42.0%**" in row and "0.84" in row
+    pt["hits"]["a"] = [0.3, 0.3]
+    row = next(line for line in S.hits_table([{"workload": "synthetic", "points": [pt]}]).splitlines()
+               if line.startswith("| synthetic"))
+    assert "| yes |" in row and "a 30.0%" in row
+    assert S.hits_table([{"workload": "synthetic", "points": [{"ttft_s": 30.0, "load": 2.5}]}]) == ""
+
+
+def test_a_trace_without_reuse_has_no_hit_verdict(monkeypatch):
+    monkeypatch.setattr(S, "reuse_bounds", lambda: {"azure_code": 0.00002})
+    pt = {"ttft_s": 5.0, "load": 4.0, "hits": {S.DEFERRED: [0.00001], "a": [0.00003]}}
+    row = next(line for line in S.hits_table([{"workload": "azure_code", "points": [pt]}]).splitlines()
+               if line.startswith("| azure_code"))
+    assert "- (no reuse)" in row and "**no**" not in row

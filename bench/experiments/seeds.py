@@ -37,13 +37,13 @@ SHORT = {"conversation": [(5.0, 8.0), (30.0, 8.0)], "azure_code": [(5.0, 4.0)], 
 DEFERRED = "conductor + defer"
 
 
-def _run(job: tuple[Any, ...]) -> float:
-    """One simulation's SLO attainment (a worker process)."""
+def _run(job: tuple[Any, ...]) -> tuple[float, float]:
+    """One simulation's SLO attainment and prefix hit ratio (a worker process)."""
     w, spec, policy, load, ttft, tbt_ms, model_dir, params, seed = job
     spec = dataclasses.replace(spec, seed=seed)
     summary, _ = O.sweep(w, spec, [policy], load, SLO(ttft, tbt_ms / 1000), model_dir, params, 1, None,
                          seed=seed)[policy]
-    return float(summary["slo_attainment"] or 0.0)
+    return float(summary["slo_attainment"] or 0.0), float(summary["hit_ratio"] or 0.0)
 
 
 def point_summary(runs: dict[str, list[float]]) -> dict[str, Any]:
@@ -85,11 +85,13 @@ def evaluate(name: str, a: argparse.Namespace, setting: str) -> dict[str, Any]:
         res = iter(ex.map(_run, jobs))
     out = []
     for ttft, load in points:
-        runs = {label: [next(res) for _ in range(a.seeds)] for label, _, _ in labels}
+        both = {label: [next(res) for _ in range(a.seeds)] for label, _, _ in labels}
+        runs = {k: [x[0] for x in v] for k, v in both.items()}
+        hits = {k: [x[1] for x in v] for k, v in both.items()}
         s = point_summary(runs)
         print(f"  {name} {ttft:g}s {load:g}: ratio {s['ratio_mean']:.3f} ({s['ratio_min']:.3f}-{s['ratio_max']:.3f})",
               file=sys.stderr, flush=True)
-        out.append({"ttft_s": ttft, "load": load, "runs": runs, **s})
+        out.append({"ttft_s": ttft, "load": load, "runs": runs, "hits": hits, **s})
     return {"workload": name, "eval": len(w.requests), "setting": setting, "points": out}
 
 
@@ -109,6 +111,7 @@ def render(results: list[dict[str, Any]], command: str, setting: str, every: boo
                 prows.append([*lbl, f"**{k}**" if k == DEFERRED else k, C.pct(statistics.mean(v)),
                               f"{C.pct(min(v))}-{C.pct(max(v))}", f"{100 * (max(v) - min(v)):.1f}"])
     seeds = len(results[0]["points"][0]["runs"][DEFERRED])
+    hit_table = hits_table(results)
     own = [f"{r['workload']}: **{r['setting']}**" for r in results if r.get("setting", setting) != setting]
     named = "" if not own else (", except where a workload's own training slice prefers another "
                                 f"(deferral.md's per-workload table): {'; '.join(own)}")
@@ -133,7 +136,43 @@ ratios at equal offered load (= goodput ratios); "best other" is taken per seed.
 Every run, mean and range over the seeds (the spread is the largest minus the smallest attainment, in
 points):
 
-""" + C.md_table(["workload", "TTFT SLO", "load", "policy", "mean attainment", "range", "spread (points)"], prows)
+""" + C.md_table(["workload", "TTFT SLO", "load", "policy", "mean attainment", "range", "spread (points)"], prows) \
+        + hit_table
+
+
+#: a reuse bound below this (0.1% of the prompt tokens) means the trace has no prefix reuse to win
+NO_REUSE = 0.001
+
+
+def reuse_bounds() -> dict[str, float]:
+    """Each workload's reuse bound: goodput-curves' global LRU over the prefill instances' KV."""
+    saved = json.loads((C.DOCS / "goodput-curves" / "results.json").read_text())
+    return {r["workload"]: r["reuse_bound"]["lru_hit_ratio"] for r in saved["results"]}
+
+
+def hits_table(results: list[dict[str, Any]]) -> str:
+    """Prefix hit, mean over the seeds: conductor + defer against the other policy with the most, and
+    the reuse bound (empty for results recorded before hits were)."""
+    bound, rows = reuse_bounds(), []
+    for r in results:
+        for pt in r["points"]:
+            if "hits" not in pt:
+                return ""
+            m = {k: statistics.mean(v) for k, v in pt["hits"].items()}
+            ours, b = m.pop(DEFERRED), bound.get(r["workload"])
+            top = max(m, key=m.__getitem__)
+            none = b is not None and b < NO_REUSE  # a trace without reuse: hits are noise, nothing to compare
+            rows.append([r["workload"], f"{pt['ttft_s']:g} s", D.load_label(r["workload"], pt["load"]),
+                         f"**{C.pct(ours)}**", f"{top} {C.pct(m[top])}",
+                         "- (no reuse)" if none else "yes" if ours >= m[top] else "**no**",
+                         "-" if b is None else C.pct(b), "-" if b is None or none else f"{ours / b:.2f}"])
+    return """
+Prefix hit (prompt tokens served from cache over the completed requests, mean over the seeds) against
+the other policy with the most, and the reuse bound (goodput-curves.md: one global LRU of the prefill
+instances' KV over the slice; a policy can exceed it, since it counts the completed requests only):
+
+""" + C.md_table(["workload", "TTFT SLO", "load", "conductor + defer", "most of another", "at least as much",
+                  "reuse bound", "conductor + defer / bound"], rows)
 
 
 def main() -> None:
