@@ -94,6 +94,8 @@ GRID: dict[str, dict[str, Any]] = {
     "tuned, pools": {**_TUNED, "defer_size": "pools"},
     "tuned, pools, aging 0": {**_TUNED, "defer_size": "pools", "defer_aging": 0.0},
     "tuned, aging 0": {**_TUNED, "defer_aging": 0.0},
+    # pools' sizes are the prefill's over 8 instances: aging 0.05 against them is 0.4 against prefill sizes
+    "tuned, aging 0.4": {**_TUNED, "defer_aging": 0.4},
     # the page's setting with one knob moved (per-workload tuning, deferral.md's discussion)
     "tuned, horizon 0.5 s": {**_TUNED, "defer_horizon_s": 0.5},
     "tuned, horizon 2 s": {**_TUNED, "defer_horizon_s": 2.0},
