@@ -17,6 +17,7 @@ import seeds as S  # noqa: E402
 
 from loadgen.workload import read_trace  # noqa: E402
 from predictors.telemetry import SLO  # noqa: E402
+from scheduler.policies import POLICIES  # noqa: E402
 
 
 def test_the_best_other_is_taken_per_seed_and_the_ratios_follow():
@@ -45,18 +46,14 @@ def test_a_seed_reaches_the_simulation():
 
 
 def test_each_workload_takes_the_setting_its_own_training_slice_prefers():
-    import deferral as D  # noqa: PLC0415 (bench/experiments is on the path only here)
-
     # two points; "b" has the better mean here (0.85 vs 0.80) though "a" wins one point
     r = {"tuning": {"30@8": {"off": 0.5, "a": 0.9, "b": 0.8}, "5@8": {"off": 0.4, "a": 0.7, "b": 0.9}}}
-    assert D.per_workload(r, ["a", "b"]) == "b"
+    assert S.D.per_workload(r, ["a", "b"]) == "b"
     tied = {"tuning": {"30@8": {"a": 0.6, "b": 0.6}}}
-    assert D.per_workload(tied, ["a", "b"]) == "a" and D.per_workload(tied, ["b", "a"]) == "b"
+    assert S.D.per_workload(tied, ["a", "b"]) == "a" and S.D.per_workload(tied, ["b", "a"]) == "b"
 
 
 def test_all_others_are_every_built_in_policy_but_conductor():
-    from scheduler.policies import POLICIES  # noqa: PLC0415
-
     every = S.others("synthetic", True)
     assert set(every) == {p for p in POLICIES if not p.startswith("conductor")}
     assert S.others("synthetic", False) == S.G.BASELINES["synthetic"] and len(every) > len(S.others("synthetic", False))

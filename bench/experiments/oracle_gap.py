@@ -18,19 +18,9 @@ from typing import Any
 import _common as C
 import baselines as B
 import deferral as D
-import overload_admission as O
 import seeds as S
 
-from predictors.telemetry import SLO  # noqa: E402
-
 PAGE = "oracle-gap"
-
-
-def _run(job: tuple[Any, ...]) -> float:
-    """One simulation's SLO attainment (a worker process)."""
-    w, spec, load, ttft, tbt_ms, pred, params = job
-    summary, _ = O.sweep(w, spec, ["conductor"], load, SLO(ttft, tbt_ms / 1000), pred, params, 1, None)["conductor"]
-    return float(summary["slo_attainment"] or 0.0)
 
 
 def measure(a: argparse.Namespace) -> list[dict[str, Any]]:
@@ -41,10 +31,11 @@ def measure(a: argparse.Namespace) -> list[dict[str, Any]]:
         params = D.defer_params(chosen[name])
         for ttft, load in D.POINTS[name]:
             for pred in ("learned", "oracle"):
-                jobs.append((w, spec, load, ttft, a.slo_tbt_ms, str(model_dir) if pred == "learned" else pred, params))
+                jobs.append((w, spec, "conductor", load, ttft, a.slo_tbt_ms,
+                             str(model_dir) if pred == "learned" else pred, params, 0))
                 keys.append((name, ttft, load, pred))
     with ProcessPoolExecutor(a.workers) as ex:
-        res = list(ex.map(_run, jobs))
+        res = [att for att, _ in ex.map(S._run, jobs)]  # seeds.py's run, seed 0
     rows: dict[tuple[str, float, float], dict[str, Any]] = {}
     for (name, ttft, load, pred), v in zip(keys, res, strict=True):
         rows.setdefault((name, ttft, load), {"workload": name, "ttft_s": ttft, "load": load,
