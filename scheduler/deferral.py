@@ -23,7 +23,9 @@ Rules, for any policy (``defer=on`` among its parameters, as ``cost_admission``)
 * ``pump`` goes through the waiting requests by job size, minus ``aging`` x seconds waited: by
   default (``size`` "prefill") the predicted prefill cost after cache hits (the cheapest
   candidate's); with ``size`` "pools" its share of both pools, prefill seconds over the prefill
-  instances plus decode KV-seconds over the decode instances' KV (deferral_waiter.py ``_sized``),
+  instances plus decode KV-seconds over the decode instances' KV (deferral_waiter.py ``_sized``);
+  with ``share`` the uncached prefix a waiter shares with other waiters counts 1 / (how many share
+  it) of its prefill (``_shared_size``: one prefill of it makes the others cheap),
   and dispatches each whose chosen instance's queue is within the horizon. It evaluates nobody
   while every prefill instance's queue exceeds the horizon (one ledger read), and stops after
   ``scan`` evaluations in a row that dispatched nobody (an evaluation costs a decision: at
@@ -101,6 +103,7 @@ import dataclasses
 import heapq
 import itertools
 import math
+from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from predictors.telemetry import SLO
@@ -148,6 +151,8 @@ class WaitRoom:
         # the evaluation budget (``eval_every_s``): a bucket of evaluations, refilled on the clock
         self._budget = float(self.params.scan)
         self._budget_at: float | None = None
+        # ``share``: how many waiters hold each block hash (a chain hash names its whole prefix)
+        self._blocks: Counter[int] = Counter()
 
     @property
     def enabled(self) -> bool:
@@ -184,6 +189,8 @@ class WaitRoom:
             return lc.decide(facts)
         lc.wait()
         self._waiting[facts.request_id] = w
+        if self.params.share:
+            self._blocks.update(facts.block_hashes)
         heapq.heappush(self._deadlines, (w.wake_s, w.seq, facts.request_id))
         self.counts["waited"] += 1
         return None
@@ -238,7 +245,8 @@ class WaitRoom:
         budget = self._refill(now)
         # each is evaluated again even if the instance it chose last is still busy: skipping those
         # (the policy may choose another instance now) cost 1-5 points of attainment
-        for w, floor_turn in self._order.waiters(self._waiting, now, self.params):
+        for w, floor_turn in self._order.waiters(self._waiting, now, self.params,
+                                                    self._shared_size if self.params.share else None):
             if self.params.reeval_s > 0 and w.evaluated_s > fresh:
                 continue  # (its deadline and last chance still wake the room: the heap above)
             if budget and self._budget < 1:
@@ -362,15 +370,55 @@ class WaitRoom:
     def _leave(self, w: Waiter) -> None:
         """A waiter goes (decided now): what it decides changes the world the frame saw."""
         self._frame = None
-        rid = w.facts.request_id
-        del self._waiting[rid]
+        self._pop(w.facts.request_id)
+
+    def _pop(self, rid: str) -> Waiter | None:
+        """Take a waiter out of the room's books."""
+        w = self._waiting.pop(rid, None)
         self._matches.pop(rid, None)
+        if w is not None and self.params.share:
+            c = self._blocks
+            for h in w.facts.block_hashes:
+                c[h] -= 1
+                if c[h] <= 0:
+                    del c[h]
+        return w
+
+    def _shared_size(self, w: Waiter) -> float:
+        """``share``: a waiter's size with its prefill cost shared: the uncached prefix it shares
+        with other waiters counts 1 / (how many share it). Only the prefill part: each holds its
+        own KV while decoding."""
+        f = self._share(w)
+        if f >= 1.0:
+            return w.size_s
+        scale = self._scale()
+        prefill = w.cost_s / max(scale[0], 1) if scale is not None else w.cost_s
+        return w.size_s - prefill * (1.0 - f)
+
+    def _share(self, w: Waiter) -> float:
+        """The share of a waiter's uncached blocks it pays for: those it shares with other waiters
+        count 1 / (how many share them). The counts only fall along a chain, so the shared end is
+        found by bisection."""
+        hs = w.facts.block_hashes
+        lo = min(w.hit_tokens // self.scheduler.block_size, len(hs))
+        own = len(hs) - lo
+        c = self._blocks
+        if own <= 0 or c[hs[lo]] < 2:
+            return 1.0
+        a, b = lo, len(hs) - 1  # c[hs[a]] >= 2; find the last such
+        while a < b:
+            m = (a + b + 1) // 2
+            if c[hs[m]] >= 2:
+                a = m
+            else:
+                b = m - 1
+        shared = a + 1 - lo
+        return (shared / c[hs[a]] + own - shared) / own
 
     # --- the client went away -----------------------------------------------------------
     def cancel(self, request_id: str) -> RequestLifecycle | None:
         """Take a waiting request out (it held nothing); its lifecycle, for the driver to finish."""
-        w = self._waiting.pop(request_id, None)
-        self._matches.pop(request_id, None)
+        w = self._pop(request_id)
         if w is None:
             return None
         self.counts["cancelled"] += 1
@@ -378,8 +426,7 @@ class WaitRoom:
 
     def _drop_finished(self) -> None:
         for rid in [rid for rid, w in self._waiting.items() if w.lc.done]:
-            del self._waiting[rid]
-            self._matches.pop(rid, None)
+            self._pop(rid)
             self.counts["cancelled"] += 1
 
     # --- when to pump next ---------------------------------------------------------------

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from scheduler.deferral_params import DeferParams
 from scheduler.deferral_waiter import Waiter
@@ -29,7 +29,8 @@ class PumpOrder:
         """The room dispatched a waiter on the floor's turn or by priority."""
         self.since_floor = 0 if floor_turn else self.since_floor + 1
 
-    def waiters(self, waiting: dict[str, Waiter], now: float, p: DeferParams) -> Iterator[tuple[Waiter, bool]]:
+    def waiters(self, waiting: dict[str, Waiter], now: float, p: DeferParams,
+                share: Callable[[Waiter], float] | None = None) -> Iterator[tuple[Waiter, bool]]:
         """The waiters in the order a pump evaluates them, each with whether it is the floor's turn.
 
         Cheapest priority first (cost minus ``aging`` x waited; with ``slack_aging`` the cost is
@@ -41,15 +42,17 @@ class PumpOrder:
         prefill capacity (least slack first lost 13-24 points at conversation 30 s / 12x). A floor
         turn that dispatches nobody hands the next evaluation back to the priority order, so the
         floor never spends the pump's budget alone. The count since the floor's last dispatch runs
-        across pumps. ``p``: the room's settings as they are now."""
+        across pumps. ``p``: the room's settings as they are now; ``share``: a waiter's size with
+        its prefill shared with the waiters it shares a prefix with (``defer_share``)."""
         aging = p.aging
+        size: Callable[[Waiter], float] = share if share is not None else (lambda w: w.size_s)
         if p.slack_aging:
             def key(w: Waiter) -> tuple[float, int]:
                 left = 1.0 - (now - w.arrived_s) / (w.slo.ttft_s or math.inf)
-                return w.size_s * max(left, 0.0) + aging * w.arrived_s, w.seq
+                return size(w) * max(left, 0.0) + aging * w.arrived_s, w.seq
         else:
             def key(w: Waiter) -> tuple[float, int]:
-                return w.size_s + aging * w.arrived_s, w.seq
+                return size(w) + aging * w.arrived_s, w.seq
         by_priority = sorted(waiting.values(), key=key)
         if not p.floor_every:
             for w in by_priority:

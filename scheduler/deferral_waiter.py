@@ -41,6 +41,7 @@ class Waiter:
     evaluated_s: float = -math.inf  # when it was last evaluated (``reeval_s`` spaces a pump's evaluations)
     held_for: str | None = None  # wait_holder: the prefix holder it last waited for rather than go elsewhere
     latest_s: float = math.inf  # the latest start behind the queue it was last evaluated at (inf: refused then)
+    hit_tokens: int = 0  # its longest cached prefix anywhere, at its last evaluation
 
     @property
     def expires_s(self) -> float:
@@ -55,6 +56,7 @@ class Waiter:
 
     def update(self, v: View) -> None:
         self.cost_s, self.floor_s, self.instance, self.size_s = v.cost_s, v.floor_s, v.instance, v.size_s
+        self.hit_tokens = v.hit_tokens
         if v.instead_of is not None:
             self.held_for = v.instance
         ttft = self.slo.ttft_s
@@ -74,6 +76,7 @@ class View:
     slack_s: float  # < 0: no last chance
     instead_of: str | None = None  # wait_holder: the instance the policy chose, passed over for ``instance``
     size_s: float = 0.0  # its job size for the room's order (``defer_size``; "prefill": ``cost_s``)
+    hit_tokens: int = 0  # the longest prefix any instance holds
 
 
 def _sized(v: View, record: dict[str, Any], p: DeferParams, scale: tuple[int, int] | None) -> View:
@@ -97,7 +100,10 @@ def holdable(d: Placement | Rejection, slo: SLO, p: DeferParams,
     horizon, or refused for TTFT alone while drained queues meet it; None: decide now.
     ``scale``: ``Scheduler.pool_scale()``, for the "pools" size."""
     v = _holdable(d, slo, p)
-    return v if v is None else _sized(v, d.explanation, p, scale)
+    if v is None:
+        return v
+    v.hit_tokens = int((d.explanation.get("best_holder") or {}).get("hit_tokens") or 0)
+    return _sized(v, d.explanation, p, scale)
 
 
 def _holdable(d: Placement | Rejection, slo: SLO, p: DeferParams) -> View | None:
