@@ -105,6 +105,9 @@ GRID: dict[str, dict[str, Any]] = {
     "tuned, holder x1.25": {**_TUNED, "defer_holder_ratio": 1.25},
     "tuned, aging 0.1": {**_TUNED, "defer_aging": 0.1},
     "tuned, scan 128": {**_TUNED, "defer_scan": 128},
+    # the room's order with a prefix shared by several waiters costed once for all of them (defer_share)
+    "tuned, share": {**_TUNED, "defer_share": True},
+    "tuned, share, horizon 0.25 s": {**_TUNED, "defer_share": True, "defer_horizon_s": 0.25},
     "tuned, floor 4": {**_TUNED, "defer_floor_every": 4},
     "tuned, floor 8": {**_TUNED, "defer_floor_every": 8},
     "tuned, floor 16": {**_TUNED, "defer_floor_every": 16},
