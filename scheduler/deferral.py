@@ -25,7 +25,7 @@ Rules, for any policy (``defer=on`` among its parameters, as ``cost_admission``)
   candidate's); with ``size`` "pools" its share of both pools, prefill seconds over the prefill
   instances plus decode KV-seconds over the decode instances' KV (deferral_waiter.py ``_sized``);
   with ``share`` the uncached prefix a waiter shares with other waiters counts 1 / (how many share
-  it) of its prefill (``_shared_size``: one prefill of it makes the others cheap),
+  it) of its prefill (``_shared_sizes``: one prefill of it makes the others cheap),
   and dispatches each whose chosen instance's queue is within the horizon. It evaluates nobody
   while every prefill instance's queue exceeds the horizon (one ledger read), and stops after
   ``scan`` evaluations in a row that dispatched nobody (an evaluation costs a decision: at
@@ -104,6 +104,7 @@ import heapq
 import itertools
 import math
 from collections import Counter
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from predictors.telemetry import SLO
@@ -246,7 +247,7 @@ class WaitRoom:
         # each is evaluated again even if the instance it chose last is still busy: skipping those
         # (the policy may choose another instance now) cost 1-5 points of attainment
         for w, floor_turn in self._order.waiters(self._waiting, now, self.params,
-                                                    self._shared_size if self.params.share else None):
+                                                    self._shared_sizes() if self.params.share else None):
             if self.params.reeval_s > 0 and w.evaluated_s > fresh:
                 continue  # (its deadline and last chance still wake the room: the heap above)
             if budget and self._budget < 1:
@@ -384,16 +385,17 @@ class WaitRoom:
                     del c[h]
         return w
 
-    def _shared_size(self, w: Waiter) -> float:
+    def _shared_sizes(self) -> Callable[[Waiter], float]:
         """``share``: a waiter's size with its prefill cost shared: the uncached prefix it shares
         with other waiters counts 1 / (how many share it). Only the prefill part: each holds its
-        own KV while decoding."""
-        f = self._share(w)
-        if f >= 1.0:
-            return w.size_s
+        own KV while decoding. (The pools' scale is read once per pump.)"""
         scale = self._scale()
-        prefill = w.cost_s / max(scale[0], 1) if scale is not None else w.cost_s
-        return w.size_s - prefill * (1.0 - f)
+        per = max(scale[0], 1) if scale is not None else 1
+
+        def size(w: Waiter) -> float:
+            f = self._share(w)
+            return w.size_s if f >= 1.0 else w.size_s - w.cost_s / per * (1.0 - f)
+        return size
 
     def _share(self, w: Waiter) -> float:
         """The share of a waiter's uncached blocks it pays for: those it shares with other waiters

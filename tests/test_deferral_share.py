@@ -1,4 +1,4 @@
-"""``defer_share`` (scheduler/deferral.py ``_shared_size``): the room's cheapest-first order with the
+"""``defer_share`` (scheduler/deferral.py ``_shared_sizes``): the room's cheapest-first order with the
 uncached prefix several waiters share costed once for all of them. One prefill of a shared prefix
 makes every other waiter holding it cheap, so a group is worth serving that each member alone is not."""
 from __future__ import annotations
