@@ -103,6 +103,7 @@ import dataclasses
 import heapq
 import itertools
 import math
+from bisect import bisect_right
 from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -407,15 +408,9 @@ class WaitRoom:
         c = self._blocks
         if own <= 0 or c[hs[lo]] < 2:
             return 1.0
-        a, b = lo, len(hs) - 1  # c[hs[a]] >= 2; find the last such
-        while a < b:
-            m = (a + b + 1) // 2
-            if c[hs[m]] >= 2:
-                a = m
-            else:
-                b = m - 1
-        shared = a + 1 - lo
-        return (shared / c[hs[a]] + own - shared) / own
+        end = bisect_right(hs, -2, lo, len(hs), key=lambda h: -c[h])  # the first block fewer than 2 hold
+        shared = end - lo
+        return (shared / c[hs[end - 1]] + own - shared) / own
 
     # --- the client went away -----------------------------------------------------------
     def cancel(self, request_id: str) -> RequestLifecycle | None:

@@ -22,6 +22,8 @@ from typing import Any
 import _common as C  # noqa: F401  (puts the project on the path)
 import baselines as B
 
+from loadgen.workload import TRACE_BLOCK_TOKENS  # noqa: E402
+
 BINS = [0, 2000, 4000, 8000, 16000, 32000, 64000, float("inf")]
 
 
@@ -47,26 +49,24 @@ def busy(recs: list[dict[str, Any]], ttft: float) -> dict[str, float]:
             spans[r["prefill_instance"]].append((min(r["prefill_start_s"], end), min(r["prefill_end_s"], end)))
     out = {}
     for inst, v in sorted(spans.items()):
-        total, cur_s, cur_e = 0.0, None, 0.0
+        total = cur_s = cur_e = 0.0
         for s, e in sorted(v):
-            if cur_s is None or s > cur_e:
-                total += 0.0 if cur_s is None else cur_e - cur_s
-                cur_s, cur_e = s, e
-            else:
-                cur_e = max(cur_e, e)
-        total += 0.0 if cur_s is None else cur_e - cur_s
+            if s > cur_e:  # a gap: close the busy run so far
+                total, cur_s = total + cur_e - cur_s, s
+            cur_e = max(cur_e, e)
+        total += cur_e - cur_s
         out[inst] = total / end
     return out
 
 
-def siblings(requests: list[Any], recs: dict[int, dict[str, Any]], load: float, ttft: float) -> collections.Counter:
+def siblings(requests: list[Any], recs: dict[int, dict[str, Any]], load: float, ttft: float,
+             block: int = TRACE_BLOCK_TOKENS) -> collections.Counter:
     """Of the unserved requests: those sharing at least half their prompt (in whole blocks) with
     another arriving within one SLO, split by whether any such sibling was served."""
     by_prefix: dict[tuple[int, ...], list[Any]] = collections.defaultdict(list)
     for q in requests:
         for k in range(1, len(q.hash_ids) + 1):
             by_prefix[tuple(q.hash_ids[:k])].append(q)
-    block = max(1, requests[0].input_length // max(1, len(requests[0].hash_ids)))
     out: collections.Counter = collections.Counter()
     for q in requests:
         if q.index not in recs or met(recs[q.index], ttft):
@@ -107,7 +107,8 @@ def main() -> None:
     print("prefill busy, first arrival to last deadline: "
           + " ".join(f"{k} {v:.2f}" for k, v in busy(recs, a.ttft).items()))
     _, w = B.slices(a.workload, a.train, a.eval)
-    for k, v in sorted(siblings(w.requests, {r["extra"]["trace_index"]: r for r in recs}, a.load, a.ttft).items()):
+    by_index = {r["extra"]["trace_index"]: r for r in recs}
+    for k, v in sorted(siblings(w.requests, by_index, a.load, a.ttft, w.block_tokens).items()):
         print(f"  unserved, {k}: {v}")
 
 
