@@ -12,23 +12,27 @@ not masked by a stale registration).
 """
 from __future__ import annotations
 
+from collections import Counter
+
 
 class InflightPrefixes:
     """Block hashes placed on prefill instances and not yet confirmed; pure, clock passed in.
 
-    Each registered request's blocks are one tuple of its block hashes, filed under its first
-    block's hash and its instance. A block hash names its whole prefix (chained): only
-    registrations starting with a prompt's first block can hold any of it (a lookup reads that
-    one entry, not every instance's registrations), and one holds the prompt's block k exactly
-    when its own block k has the same hash (a position compare, no set of hashes to build:
-    registering costs a tuple and a few dict operations, on every placement).
+    Registrations are filed under their first block's hash and their instance, as a count of each
+    block hash they hold. A block hash names its whole prefix (chained: a hash is one position of
+    one chain), so only registrations starting with a prompt's first block can hold any of it (a
+    lookup reads that one entry, not every instance's registrations), and an instance holds the
+    prompt's block k exactly when one of them holds its hash: one dict probe, however many
+    requests share the first block. (A conversation trace put hundreds in flight behind one system
+    prompt, and asking each of them took ~0.4 ms a lookup; bench/inflight_match.py.) Registering
+    counts the prompt's blocks: microseconds on every placement.
     """
 
     def __init__(self, grace_s: float = 1.0):
         self.grace_s = grace_s
-        self._where: dict[str, tuple[int, str]] = {}  # request id -> (its first block hash, instance)
-        # first block hash -> instance -> request id -> its blocks
-        self._by_first: dict[int, dict[str, dict[str, tuple[int, ...]]]] = {}
+        self._where: dict[str, tuple[str, tuple[int, ...]]] = {}  # request id -> (instance, its blocks)
+        # first block hash -> instance -> block hash -> registrations holding it
+        self._by_first: dict[int, dict[str, Counter[int]]] = {}
         self._done: dict[str, float] = {}  # request id -> when its registration lapses (prefill done)
 
     def __len__(self) -> int:
@@ -37,9 +41,9 @@ class InflightPrefixes:
     def add(self, request_id: str, instance: str, hashes: list[int]) -> None:
         if request_id in self._where or not hashes:
             return
-        first = hashes[0]
-        self._where[request_id] = (first, instance)
-        self._by_first.setdefault(first, {}).setdefault(instance, {})[request_id] = tuple(hashes)
+        blocks = tuple(hashes)
+        self._where[request_id] = (instance, blocks)
+        self._by_first.setdefault(blocks[0], {}).setdefault(instance, Counter()).update(blocks)
 
     def prefill_done(self, request_id: str, now: float) -> None:
         """The prefill finished: the KV events follow; keep the entry ``grace_s`` longer."""
@@ -51,14 +55,19 @@ class InflightPrefixes:
         self._done.pop(request_id, None)
         if where is None:
             return
-        first, instance = where
-        by_instance = self._by_first[first]
-        registered = by_instance[instance]
-        del registered[request_id]
-        if not registered:
+        instance, blocks = where
+        by_instance = self._by_first[blocks[0]]
+        held = by_instance[instance]
+        for h in blocks:
+            left = held[h] - 1
+            if left:
+                held[h] = left
+            else:
+                del held[h]
+        if not held:
             del by_instance[instance]
             if not by_instance:
-                del self._by_first[first]
+                del self._by_first[blocks[0]]
 
     def expire(self, now: float) -> None:
         """Drop the registrations whose grace ran out."""
@@ -79,13 +88,11 @@ class InflightPrefixes:
         if by_instance is None:
             return {}
         out: dict[str, int] = {}
-        for inst, by_request in by_instance.items():
-            chains = list(by_request.values())
+        for inst, held in by_instance.items():
             lo, hi = 1, n  # blocks [0, lo) registered; the answer is in [lo, hi]
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                k, h = mid - 1, hashes[mid - 1]
-                if any(len(c) > k and c[k] == h for c in chains):
+                if hashes[mid - 1] in held:
                     lo = mid
                 else:
                     hi = mid - 1

@@ -50,6 +50,22 @@ def test_registrations_are_found_by_their_first_block_and_leave_nothing_behind()
     assert len(reg) == 0 and reg._by_first == {} and reg.match(chains["r0"], 4) == {}
 
 
+def test_hundreds_in_flight_behind_one_system_prompt_each_matched_to_its_own_chain():
+    reg = InflightPrefixes()
+    system = toks(1, 4 * BS)
+    chains = [block_hashes(system + toks(100 + k, 3 * BS), BS) for k in range(200)]
+    for k, hashes in enumerate(chains):
+        reg.add(f"r{k}", f"p{k % 2}", hashes)
+    own = block_hashes(system + toks(150, 2 * BS) + toks(7, BS), BS)  # r50's first 6 blocks, then its own
+    assert reg.match(own, 7) == {"p0": 6, "p1": 4}
+    stranger = block_hashes(system + toks(9, 3 * BS), BS)
+    assert reg.match(stranger, 7) == {"p0": 4, "p1": 4}  # the system prompt only
+    for k in range(200):
+        if k != 51:
+            reg.drop(f"r{k}")
+    assert reg.match(own, 7) == {"p1": 4} and len(reg) == 1  # r50 gone; r51 (on p1) shares the system prompt
+
+
 def pd(**params):
     clock = Clock(100.0)
     insts = [Instance(f"p{i}", "prefill") for i in range(3)] + [Instance("d0", "decode")]
