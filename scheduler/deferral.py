@@ -53,6 +53,12 @@ Rules, for any policy (``defer=on`` among its parameters, as ``cost_admission``)
   arrival, every request's end and a timer, so a full room ran the whole scan ~10 times a wall second
   (half its event loop); the simulator pumps less. The budget makes both spend the same evaluations
   per second of their clock, and bounds the share of the loop the room can take;
+* with ``join`` (off by default), an arrival the policy would dispatch at once joins the room
+  instead while anyone waits there (counted ``joined``), and ``next_wakeup`` is now: the pump that
+  follows dispatches it only if no cheaper waiter takes the queue first. Without it the order holds
+  only between pumps: an arrival finding a queue within the horizon overtakes every waiter. A joiner
+  is evaluated again by that pump whatever ``reeval_s``, and until each joiner is reached no waiter
+  ahead of it is skipped for ``reeval_s`` (docs/experiments/deferral.md);
 * with ``last_chance`` (off by default), a waiting request is not held past its last chance:
   once its predicted TTFT behind the queue as it is leaves less than ``slack`` x its TTFT SLO of
   what remains, it is dispatched whatever the queue (shortest-job-first alone starves long
@@ -144,6 +150,9 @@ class WaitRoom:
                                        "evaluations": 0}
         if self.params.floor_every:
             self.counts["floor"] = 0  # the floor's dispatches (a key only with it on: counts as they were)
+        if self.params.join:
+            self.counts["joined"] = 0  # arrivals that would have gone at once and joined the room instead
+        self._joined = False  # an arrival joined since the last pump: pump now
         self._order = PumpOrder()  # cheapest first, with the fairness floor (deferral_order.py)
         # the evaluations a pump makes in a row without deciding anything share one instant's load
         # views (scheduler/frame.py); any decision throws the frame away. Each waiter's hit-index
@@ -178,13 +187,18 @@ class WaitRoom:
         if slo.ttft_s is None or getattr(facts, "request_id", None) in self._waiting:
             return lc.decide(facts)  # no deadline to order by (or a duplicate id): as without a wait room
         self._frame = None  # a new instant (offers come between pumps)
-        view = holdable(self._evaluate(facts), slo, self.params, self._scale())
+        join = self.params.join and bool(self._waiting)
+        ev = self._evaluate(facts)
+        view = holdable(ev, slo, self.params, self._scale(), join)
         self._frame = None
         if view is None:
             self._matches.pop(facts.request_id, None)
             return lc.decide(facts)
         now = sched.clock()
-        w = Waiter(lc, facts, now, slo, view.cost_s, view.floor_s, next(self._seq), evaluated_s=now)
+        joined = join and holdable(ev, slo, self.params) is None  # it waits only to take its turn
+        # a joiner is evaluated again by the pump that comes at once, whatever ``reeval_s``
+        w = Waiter(lc, facts, now, slo, view.cost_s, view.floor_s, next(self._seq),
+                   evaluated_s=-math.inf if joined else now)
         w.update(view)
         if w.due_s <= now:  # it barely fits now: waiting could only lose it
             self._matches.pop(facts.request_id, None)
@@ -195,6 +209,9 @@ class WaitRoom:
             self._blocks.update(facts.block_hashes)
         heapq.heappush(self._deadlines, (w.wake_s, w.seq, facts.request_id))
         self.counts["waited"] += 1
+        if joined:
+            self.counts["joined"] += 1
+            self._joined = True  # next_wakeup: now
         return None
 
     def _evaluate(self, facts: RequestFacts, avoid: set[str] | None = None) -> Placement | Rejection:
@@ -222,6 +239,7 @@ class WaitRoom:
             self._frame = None
 
     def _pump(self) -> list[Decided]:
+        joined, self._joined = self._joined, False
         if not self._waiting:
             self._deadlines.clear()
             self._matches.clear()
@@ -244,13 +262,19 @@ class WaitRoom:
             return out
         misses = 0
         fresh = now - self.params.reeval_s  # evaluated after this: not again in this pump
+        # joiners not yet evaluated by a pump: until each is reached, no waiter ahead is skipped for
+        # ``reeval_s``, or a joiner would overtake the cheaper waiters it joined the room behind
+        joiners = sum(w.evaluated_s == -math.inf for w in self._waiting.values()) \
+            if joined and self.params.reeval_s > 0 else 0
         budget = self._refill(now)
         # each is evaluated again even if the instance it chose last is still busy: skipping those
         # (the policy may choose another instance now) cost 1-5 points of attainment
         for w, floor_turn in self._order.waiters(self._waiting, now, self.params,
                                                     self._shared_sizes() if self.params.share else None):
-            if self.params.reeval_s > 0 and w.evaluated_s > fresh:
+            if self.params.reeval_s > 0 and w.evaluated_s > fresh and not joiners:
                 continue  # (its deadline and last chance still wake the room: the heap above)
+            if joiners and w.evaluated_s == -math.inf:
+                joiners -= 1
             if budget and self._budget < 1:
                 break  # spent: the next pump goes on (deadlines and last chances never wait for it)
             spent = self.counts["evaluations"]
@@ -435,6 +459,8 @@ class WaitRoom:
             return None
         sched = self.scheduler
         now = sched.clock()
+        if self._joined:
+            return now  # an arrival waits for its turn: the pump decides whose it is
         t = math.inf
         while self._deadlines:
             wake, seq, rid = self._deadlines[0]

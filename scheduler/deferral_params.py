@@ -16,7 +16,7 @@ PARAM_KEYS = {"defer": "enabled", "defer_horizon_s": "horizon_s", "defer_aging":
               "defer_holder_fallback": "holder_fallback", "defer_floor_every": "floor_every",
               "defer_floor_quantile": "floor_quantile", "defer_slack_aging": "slack_aging",
               "defer_reeval_s": "reeval_s", "defer_eval_every_s": "eval_every_s",
-              "defer_size": "size", "defer_share": "share"}
+              "defer_size": "size", "defer_share": "share", "defer_join": "join"}
 
 #: how the room sizes a waiting request for its cheapest-first order (``defer_size``)
 Size = Literal["prefill", "pools"]
@@ -67,6 +67,10 @@ class DeferParams:
     # for all of them (its share: 1 / how many wait with it), so a group that one prefill makes cheap
     # is served as the group it is rather than each refused as if alone
     share: bool = False
+    # an arrival the policy would dispatch at once joins the room instead while anyone waits there, and
+    # the room is pumped at once: it goes now only if no cheaper waiter takes the queue first (without
+    # it an arrival overtakes every waiter whenever a queue is within the horizon as it arrives)
+    join: bool = False
 
     def __post_init__(self) -> None:
         for name, v in (("defer_horizon_s", self.horizon_s), ("defer_aging", self.aging), ("defer_slack", self.slack),
@@ -100,6 +104,6 @@ def split_params(policy_params: dict[str, Any]) -> tuple[DeferParams, dict[str, 
         if key in rest:
             hint = {"enabled": bool, "last_chance": bool, "spill": bool, "wait_holder": bool,
                     "holder_fallback": bool, "scan": int, "floor_every": int,
-                    "slack_aging": bool, "size": Size, "share": bool}.get(name, float)
+                    "slack_aging": bool, "size": Size, "share": bool, "join": bool}.get(name, float)
             kw[name] = _coerce(key, hint, rest.pop(key))
     return DeferParams(**kw), rest

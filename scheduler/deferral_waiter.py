@@ -95,11 +95,14 @@ def _sized(v: View, record: dict[str, Any], p: DeferParams, scale: tuple[int, in
 
 
 def holdable(d: Placement | Rejection, slo: SLO, p: DeferParams,
-             scale: tuple[int, int] | None = None) -> View | None:
+             scale: tuple[int, int] | None = None, join: bool = False) -> View | None:
     """What waiting is judged on, when it may help: placed behind a queue longer than the
     horizon, or refused for TTFT alone while drained queues meet it; None: decide now.
-    ``scale``: ``Scheduler.pool_scale()``, for the "pools" size."""
+    ``scale``: ``Scheduler.pool_scale()``, for the "pools" size. ``join``: a placement that would
+    go now waits too (``defer_join``: an arrival joining a room where others wait)."""
     v = _holdable(d, slo, p)
+    if v is None and join and isinstance(d, Placement):
+        v = _view(d.explanation, d.ttft_s, p.slack * (slo.ttft_s or 0.0) if p.last_chance else -1.0)
     if v is None:
         return v
     v.hit_tokens = int((d.explanation.get("best_holder") or {}).get("hit_tokens") or 0)

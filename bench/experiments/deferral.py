@@ -108,6 +108,10 @@ GRID: dict[str, dict[str, Any]] = {
     # the room's order with a prefix shared by several waiters costed once for all of them (defer_share)
     "tuned, share": {**_TUNED, "defer_share": True},
     "tuned, share, horizon 0.25 s": {**_TUNED, "defer_share": True, "defer_horizon_s": 0.25},
+    # no arrival overtakes the room: one that would go at once joins it while anyone waits (defer_join)
+    "tuned, join": {**_TUNED, "defer_join": True},
+    "tuned, pools, join": {**_TUNED, "defer_size": "pools", "defer_join": True},
+    "tuned, share, join": {**_TUNED, "defer_share": True, "defer_join": True},
     "tuned, floor 4": {**_TUNED, "defer_floor_every": 4},
     "tuned, floor 8": {**_TUNED, "defer_floor_every": 8},
     "tuned, floor 16": {**_TUNED, "defer_floor_every": 16},
