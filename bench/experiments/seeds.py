@@ -103,9 +103,10 @@ def render(results: list[dict[str, Any]], command: str, setting: str, every: boo
             ours = pt["runs"][DEFERRED]
             rows.append([*lbl, " / ".join(C.pct(x) for x in ours),
                          " / ".join(f"{b} {C.pct(pt['runs'][b][i])}" for i, b in enumerate(pt["best"])),
-                         " / ".join(f"{x:.2f}x" for x in pt["ratios"]),
-                         f"**{pt['ratio_mean']:.2f}x** ({pt['ratio_min']:.2f}-{pt['ratio_max']:.2f}x)",
-                         f"{pt['ratio_of_means']:.2f}x (over {pt['best_mean']})",
+                         # three decimals: at two, 1.196x printed as the 1.20x it falls short of
+                         " / ".join(f"{x:.3f}x" for x in pt["ratios"]),
+                         f"**{pt['ratio_mean']:.3f}x** ({pt['ratio_min']:.3f}-{pt['ratio_max']:.3f}x)",
+                         f"{pt['ratio_of_means']:.3f}x (over {pt['best_mean']})",
                          sum(x >= 1.2 for x in pt["ratios"])])
             for k, v in pt["runs"].items():
                 prows.append([*lbl, f"**{k}**" if k == DEFERRED else k, C.pct(statistics.mean(v)),
