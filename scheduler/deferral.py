@@ -187,15 +187,17 @@ class WaitRoom:
         if slo.ttft_s is None or getattr(facts, "request_id", None) in self._waiting:
             return lc.decide(facts)  # no deadline to order by (or a duplicate id): as without a wait room
         self._frame = None  # a new instant (offers come between pumps)
-        join = self.params.join and bool(self._waiting)
         ev = self._evaluate(facts)
-        view = holdable(ev, slo, self.params, self._scale(), join)
+        view = holdable(ev, slo, self.params, self._scale())
+        # it would go now, but others wait: it joins them, only to take its turn (``join``)
+        joined = view is None and self.params.join and bool(self._waiting) and isinstance(ev, Placement)
+        if joined:
+            view = holdable(ev, slo, self.params, self._scale(), join=True)
         self._frame = None
         if view is None:
             self._matches.pop(facts.request_id, None)
             return lc.decide(facts)
         now = sched.clock()
-        joined = join and holdable(ev, slo, self.params) is None  # it waits only to take its turn
         # a joiner is evaluated again by the pump that comes at once, whatever ``reeval_s``
         w = Waiter(lc, facts, now, slo, view.cost_s, view.floor_s, next(self._seq),
                    evaluated_s=-math.inf if joined else now)
