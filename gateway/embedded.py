@@ -134,7 +134,8 @@ class EmbeddedCluster:
             self.procs.append(subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent))
             _LIVE.add(self.procs[-1])
 
-    async def wait_ready(self, timeout_s: float = 30.0) -> None:
+    async def wait_ready(self, timeout_s: float = 60.0) -> None:
+        """Each engine answers /health (ready in ~3 s here; the margin is for a loaded 2-core box)."""
         deadline = time.monotonic() + timeout_s
         waits: list[tuple[str, str, subprocess.Popen, EngineConfig | None]] = [
             (e.id, e.url, p, e) for e, p in zip(self.engines, self.procs[-len(self.engines):], strict=True)]

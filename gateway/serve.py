@@ -40,13 +40,13 @@ def main(argv: list[str]) -> int:
     _check_store(cfg)
     cfg.host = args.host or cfg.host
     cfg.port = cfg.port if args.port is None else args.port
-    _check_bindable(cfg.host, cfg.port)
+    sock = _bind(cfg.host, cfg.port)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    return _run(cfg, args.log_level)
+    return _run(cfg, args.log_level, sock)
 
 
-def _run(cfg: GatewayConfig, log_level: str) -> int:
+def _run(cfg: GatewayConfig, log_level: str, sock: socket.socket) -> int:
     """Serve until SIGTERM/SIGINT; then end within ``shutdown_timeout_s`` whatever hangs. The
     process always exits here (``os._exit`` once everything is closed): nothing left behind, an
     engine's socket or a thread, can keep a stopped gateway alive."""
@@ -88,7 +88,7 @@ def _run(cfg: GatewayConfig, log_level: str) -> int:
     profiling.install()
     code = 0
     try:
-        server.run()
+        server.run(sockets=[sock])
     except SystemExit as e:  # uvicorn exits this way when it cannot bind
         code = e.code if isinstance(e.code, int) else 1
     if not server.started:
@@ -114,6 +114,11 @@ def _server(config, shutdown_timeout_s: float):
                 self.watchdog.daemon = True
                 self.watchdog.start()
             super().handle_exit(sig, frame)
+
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets=sockets)
+            if sockets is not None and self.started:  # uvicorn names the address only for sockets it bound
+                self._log_started_message(sockets)
 
     return Server(config)
 
@@ -174,10 +179,18 @@ def _check_mooncake(cfg: GatewayConfig) -> None:
                            "or set [embedded] store = false")
 
 
-def _check_bindable(host: str, port_: int) -> None:
+def _bind(host: str, port_: int) -> socket.socket:
+    """The gateway's listening socket, bound now, before the embedded engines choose their ports:
+    a port only chosen (not held) while they start could be handed to one of them, and the gateway
+    would then fail to bind its own. It listens at once, as a socket-activated service's does: with
+    SO_REUSEADDR (for a restart over TIME_WAIT connections) only a listening socket keeps a second
+    gateway off the port. A client connecting before start-up ends waits in the backlog."""
+    s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     try:
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind((host, port_))
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, port_))
+        s.listen(2048)
     except OSError as e:
+        s.close()
         raise CLIError(f"cannot bind {host}:{port_}: {e.strerror}") from None
+    return s

@@ -15,28 +15,50 @@ from engines_adapters.net import free_port
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+#: each started process's log, so a failure to start can say why
+_LOGS: dict[int, str] = {}
+_TEMP_LOGS: set[str] = set()  # those this module made (removed when their process is stopped)
+
+
 def conductor(*args: str, log: str | None = None) -> subprocess.Popen:
-    out = open(log, "wb") if log else subprocess.DEVNULL
-    return subprocess.Popen([sys.executable, "-m", "gateway.cli", *args], cwd=ROOT, stdout=out,
-                            stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONHASHSEED": "0"})
+    if log is None:
+        fd, log = tempfile.mkstemp(prefix="conductor-", suffix=".log")
+        os.close(fd)
+        _TEMP_LOGS.add(log)
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", *args], cwd=ROOT, stdout=out,
+                                stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONHASHSEED": "0"})
+    _LOGS[proc.pid] = log
+    return proc
+
+
+def log_tail(proc: subprocess.Popen, lines: int = 30) -> str:
+    """The end of what ``proc`` (started by :func:`conductor`) printed."""
+    try:
+        with open(_LOGS[proc.pid], errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except (KeyError, OSError):
+        return "(no log)"
 
 
 def wait_until(url: str, proc: subprocess.Popen, timeout_s: float = 60.0, status: int = 200) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode} before {url} answered")
+            raise RuntimeError(f"process exited with {proc.returncode} before {url} answered; "
+                               f"its log ends:\n{log_tail(proc)}")
         try:
             if requests.get(url, timeout=1).status_code == status:
                 return
         except requests.RequestException:
             pass
         time.sleep(0.05)
-    raise TimeoutError(f"{url} did not answer {status} within {timeout_s} s")
+    raise TimeoutError(f"{url} did not answer {status} within {timeout_s} s; its log ends:\n{log_tail(proc)}")
 
 
 def stop(*procs: subprocess.Popen) -> None:
+    """Stop ``procs`` (SIGTERM, then SIGKILL after 10 s) and forget their logs if temporary."""
     for p in procs:
         if p.poll() is None:
             p.terminate()
@@ -46,6 +68,10 @@ def stop(*procs: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+        log = _LOGS.pop(p.pid, None)
+        if log is not None and log in _TEMP_LOGS:
+            _TEMP_LOGS.discard(log)
+            os.unlink(log)
 
 
 #: the PD protocols every end-to-end gateway scenario runs against
@@ -69,22 +95,20 @@ PORT_RETRIES = 3
 
 def serve(cfg: str, log: str, *flags: str, timeout_s: float = 90.0) -> tuple[subprocess.Popen, str]:
     """``conductor serve --config cfg`` on a free loopback port, ready: (process, base URL). The
-    port is free when chosen but not reserved: a process the gateway itself starts (a Mooncake
-    transfer engine picks random listening ports) can take it before uvicorn binds, so a start that
-    fails only with EADDRINUSE is retried on a new port."""
+    port is free when chosen but not reserved until the gateway binds it (first thing, before it
+    starts anything): another process can take it in between, so a start that fails only with
+    EADDRINUSE is retried on a new port."""
     for attempt in range(PORT_RETRIES):
         port = free_port()
         proc = conductor("serve", "--config", cfg, "--port", str(port), "--log-level", "warning", *flags, log=log)
         try:
             wait_until(f"http://127.0.0.1:{port}/ready", proc, timeout_s=timeout_s)
             return proc, f"http://127.0.0.1:{port}"
-        except (RuntimeError, TimeoutError) as e:  # say why: the gateway's own last words
+        except (RuntimeError, TimeoutError) as e:  # its message ends with the gateway's own last words
             stop(proc)
-            with open(log, errors="replace") as f:
-                last_words = f.read()
-            if "address already in use" in last_words and attempt + 1 < PORT_RETRIES:
+            if "address already in use" in str(e).lower() and attempt + 1 < PORT_RETRIES:
                 continue
-            raise RuntimeError(f"{e}; gateway log ends: {last_words[-2000:]}") from None
+            raise
     raise AssertionError("unreachable")
 
 

@@ -56,6 +56,30 @@ def test_port_in_use_is_one_line(tmp_path):
     assert r.returncode == 2 and "cannot bind" in r.stderr and r.stderr.count("\n") == 1
 
 
+def test_the_gateway_holds_its_port_while_its_engines_start(tmp_path):
+    """Bound before the embedded engines choose theirs, so none of them (nor another gateway) can
+    take it while they start."""
+    import socket
+    import time
+
+    from tests.servers import conductor, stop, wait_until
+
+    port, log = free_port(), tmp_path / "serve.log"
+    proc = conductor("serve", "--port", str(port), "--log-level", "info", log=str(log))
+    try:
+        deadline = time.monotonic() + 60
+        while "starting embedded cluster" not in log.read_text() and time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()
+            time.sleep(0.02)
+        with socket.socket() as s, pytest.raises(OSError):
+            s.bind(("127.0.0.1", port))
+        second = run("serve", "--port", str(port))
+        assert second.returncode == 2 and "cannot bind" in second.stderr
+        wait_until(f"http://127.0.0.1:{port}/ready", proc, timeout_s=90)
+    finally:
+        stop(proc)
+
+
 def test_calibrate_is_built_and_asks_for_its_arguments():
     r = run("calibrate")
     assert r.returncode == 2 and "--telemetry" in r.stderr and "not built" not in r.stderr
