@@ -13,7 +13,14 @@ import pytest
 from engines_adapters.sim.profiles import load_profile
 from engines_adapters.sim.timing import chunk_ctx
 from loadgen.arrivals import sped_up
-from loadgen.simulate.bound import attainment_bound, lp_bound, prefill_wall, shared_prefixes, step_costs
+from loadgen.simulate.bound import (
+    attainment_bound,
+    decode_work,
+    lp_bound,
+    prefill_wall,
+    shared_prefixes,
+    step_costs,
+)
 from loadgen.simulate.cluster import ClusterSpec, SchedulerSpec
 from loadgen.simulate.reuse import prompt_blocks
 from loadgen.simulate.run import simulate
@@ -99,6 +106,48 @@ def test_costs_never_exceed_the_step_timer(name):
             assert c.chunk_s + n * c.chunk_token_s + c.attention(chunk_ctx(start, n)) <= step * (1 + 1e-12)
 
 
+@pytest.mark.parametrize("name", ["llama3-8b-h200", "llama3-8b-h200-gap", "llama3-70b-a800x8"])
+def test_decode_work_never_exceeds_the_step_timer(name):
+    """A decode step of random sequences lasts at least the sum of their tokens' decode shares, so
+    summing a request's steps (decode_work) never exceeds the time its tokens take."""
+    c = step_costs(load_profile(name), 8192)
+    rng = random.Random(1)
+    for _ in range(300):
+        ctxs = [rng.randint(1, 100_000) for _ in range(rng.randint(1, 256))]
+        step = c.timer.duration(len(ctxs), len(ctxs), 0.0, sum(ctxs), 0)
+        assert sum(c.token_s + c.sample_s + c.kv_s * x for x in ctxs) <= step * (1 + 1e-12)
+    # a request's tokens after the first read contexts prompt + 1 .. prompt + output - 1
+    assert decode_work(c, 1000, 4) == pytest.approx(3 * (c.token_s + c.sample_s) + c.kv_s * (1001 + 1002 + 1003))
+    assert decode_work(c, 1000, 1) == 0.0
+
+
+def test_lp_decode_pool_is_shared_by_the_served_fraction():
+    # prefill is free room for both; one decode instance has 1 s for 2 s of decode work: one request
+    arrivals, ends, work = np.zeros(2), np.full(2, 1.0), np.full(2, 0.1)
+    assert lp_bound(arrivals, ends, work, 2, 1.0)["optimum"] == pytest.approx(2.0)
+    decode = (np.zeros(2), np.full(2, 1.0), np.full(2, 1.0), 1)
+    assert lp_bound(arrivals, ends, work, 2, 1.0, decode=decode)["optimum"] == pytest.approx(1.0)
+    # a later window for the second request's decode: both fit
+    decode = (np.array([0.0, 1.0]), np.array([1.0, 2.0]), np.full(2, 1.0), 1)
+    assert lp_bound(arrivals, ends, work, 2, 1.0, decode=decode)["optimum"] == pytest.approx(2.0)
+
+
+def test_decode_pool_binds_a_decode_heavy_burst():
+    """200 distinct 8000-token prompts at once with 2000-token outputs, one decode instance: the
+    decode work (~0.75 s each) over the window [first token, 5 s + 1999 x 20 ms] caps the bound."""
+    prof = load_profile("llama3-8b-h200")
+    blocks = [(8000, list(range(i * 1000, i * 1000 + 500))) for i in range(200)]
+    kw = dict(prefill=8, ttft_s=5.0)
+    alone = attainment_bound([0.0] * 200, blocks, prof, **kw)
+    both = attainment_bound([0.0] * 200, blocks, prof, decode=1, outputs=[2000] * 200, tbt_s=0.02, **kw)
+    c = step_costs(prof)
+    cap = (5.0 + 1999 * 0.02) / decode_work(c, 8000, 2000) / 200  # one instance's whole window
+    assert both["attainment_bound"] < alone["attainment_bound"]
+    assert both["attainment_bound"] <= cap * 1.01
+    with pytest.raises(ValueError, match="output tokens"):
+        attainment_bound([0.0], blocks[:1], prof, decode=1, **kw)
+
+
 @pytest.fixture(scope="module")
 def conversation():
     w = read_trace(str(BUNDLED_TRACES / "mooncake_conversation_trace.jsonl"), limit=150)
@@ -117,6 +166,9 @@ def test_no_simulated_policy_beats_the_bound(conversation, noise):
     blocks = list(prompt_blocks(conversation, 16, "chat", "sim"))
     b = attainment_bound([r.arrival_s for r in conversation.requests], blocks, prof, prefill=2, ttft_s=5.0,
                          noise_sigma=sigma, noise_z=4.0)
+    with_decode = attainment_bound([r.arrival_s for r in conversation.requests], blocks, prof, prefill=2, ttft_s=5.0,
+                                   noise_sigma=sigma, noise_z=4.0, decode=2, tbt_s=0.2,
+                                   outputs=[r.output_length for r in conversation.requests])
     index = {f"sim-r{r.index}": i for i, r in enumerate(conversation.requests)}
     for policy in ("conductor", "round_robin"):
         run = simulate(conversation, dataclasses.replace(spec), SchedulerSpec(policy=policy, slo=SLO(5.0, 0.2)),
@@ -126,3 +178,5 @@ def test_no_simulated_policy_beats_the_bound(conversation, noise):
         assert all(r.ttft_s >= b["least_ttft_s"][index[r.request_id]] for r in done)
         attained = sum(r.meets(slo) for r in run.records) / len(conversation.requests)
         assert 0 < attained <= b["attainment_bound"]
+        both = sum(r.meets(SLO(5.0, 0.2)) for r in run.records) / len(conversation.requests)
+        assert 0 < both <= with_decode["attainment_bound"] <= b["attainment_bound"] + 1e-9

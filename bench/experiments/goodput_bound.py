@@ -26,7 +26,7 @@ import goodput_curves as G
 
 from engines_adapters.sim.profiles import load_profile  # noqa: E402
 from loadgen.arrivals import sped_up  # noqa: E402
-from loadgen.simulate.bound import attainment_bound  # noqa: E402
+from loadgen.simulate.bound import attainment_bound, engine_sigma  # noqa: E402
 from loadgen.simulate.reuse import prompt_blocks  # noqa: E402
 from predictors.telemetry import SLO  # noqa: E402
 
@@ -37,12 +37,6 @@ DISCUSSION = """## Discussion
 
 (hand-written; kept when the command regenerates the block above)
 """
-
-
-def engine_sigma(profile_name: str, noise: float) -> float:
-    """The sim engine's per-step log-normal sigma (EngineModel: hypot of the cluster's noise and
-    a gap profile's extra_noise; noise 0 turns it all off)."""
-    return math.hypot(noise, load_profile(profile_name).efficiency.get("extra_noise", 0.0)) if noise else 0.0
 
 
 def verdict(mean_ceiling: float, noisy_ceiling: float) -> str:
@@ -84,7 +78,7 @@ def headroom(r: dict[str, Any]) -> str:
 def bound_points(a: argparse.Namespace, measured: dict[str, Any]) -> list[dict[str, Any]]:
     profile = load_profile(measured["profile"])
     spec = dataclasses.replace(C.cluster(measured["prefill"], measured["decode"]), profile=measured["profile"])
-    sigma = engine_sigma(measured["profile"], spec.noise)
+    sigma = engine_sigma(load_profile(measured["profile"]), spec.noise)
     out = []
     for r in measured["results"]:
         name = r["workload"]
@@ -129,7 +123,7 @@ def bound_points(a: argparse.Namespace, measured: dict[str, Any]) -> list[dict[s
 
 
 def render(rows: list[dict[str, Any]], a: argparse.Namespace, measured: dict[str, Any], command: str) -> str:
-    sigma = engine_sigma(measured["profile"], C.cluster().noise)
+    sigma = engine_sigma(load_profile(measured["profile"]), C.cluster().noise)
     f = math.exp(-a.noise_z * sigma)
     table = C.md_table(
         ["workload", "TTFT SLO", "load", "offered req/s", "unreachable (any policy)", "reachable share",

@@ -26,7 +26,13 @@ predictor: it never serves a decision). Three parts, each never above the truth:
   in slot t, only in slots overlapping [arrival, deadline - least hand-over], sum_t y_it = work_i
   x_i, y_it <= its window's overlap with the slot (one instance at a time), sum_i y_it <= prefill
   instances x slot. Maximise sum x_i (pooled, preemptive and fractional: a superset of real
-  schedules). Decode capacity and TBT are left out, which only loosens the bound.
+  schedules). Decode capacity and TBT are left out unless asked for, which only loosens the bound.
+* **Decode** (optional, ``decode_work``): the same slot LP over the decode instances, sharing x_i.
+  A request's tokens after the first are decode work (per token: a full step's share, a sample,
+  and its context's KV read), done in [earliest first token, deadline + (output - 1) x TBT SLO]:
+  with Mooncake's TBT (the mean of the slowest 10% of gaps) within the SLO, no gap outside them
+  exceeds it, so the last token comes at most that long after the first. KV capacity, preemption
+  and the engine's order are left out.
 
 Engine noise multiplies each step by exp(N(0, sigma)): no hard floor exists, so every duration is
 scaled by ``exp(-z sigma)`` (``noise_z`` standard deviations faster than the mean, on every step).
@@ -60,12 +66,19 @@ class StepCosts:
     sample_s: float  # the least one sampled sequence adds to a step
     chunk_s: float  # a lone chunk's non-attention time >= chunk_s + n x chunk_token_s (secant at the budget)
     chunk_token_s: float
+    kv_s: float  # a decode token's read of one context token's KV
     timer: StepTimer
 
     def attention(self, ctx: float) -> float:
         """Attention of ``ctx`` context in the densest step (the budget's tokens all prefill)."""
         t = self.timer
         return t.duration(1, 0, ctx, 0, self.budget) - t.duration(1, 0, 0.0, 0, self.budget)
+
+
+def engine_sigma(profile: Profile, noise: float) -> float:
+    """The sim engine's per-step log-normal sigma (EngineModel: hypot of the cluster's noise and
+    a gap profile's extra_noise; noise 0 turns it all off)."""
+    return math.hypot(noise, profile.efficiency.get("extra_noise", 0.0)) if noise else 0.0
 
 
 def step_costs(profile: Profile, budget: int = 8192) -> StepCosts:
@@ -77,7 +90,8 @@ def step_costs(profile: Profile, budget: int = 8192) -> StepCosts:
                      sample_s=min(d(n, 1, 0.0, 0, n) - d(n, 0, 0.0, 0, n) for n in range(1, budget + 1)),
                      chunk_s=d(budget, 0, 0.0, 0, budget) - budget * (d(budget, 0, 0.0, 0, budget)
                                                                       - d(budget - 1, 0, 0.0, 0, budget - 1)),
-                     chunk_token_s=d(budget, 0, 0.0, 0, budget) - d(budget - 1, 0, 0.0, 0, budget - 1), timer=t)
+                     chunk_token_s=d(budget, 0, 0.0, 0, budget) - d(budget - 1, 0, 0.0, 0, budget - 1),
+                     kv_s=(d(1, 0, 0.0, int(x), 1) - d(1, 0, 0.0, 0, 1)) / x, timer=t)
 
 
 def ctx_sum(prompt: int, cached: int) -> float:
@@ -89,6 +103,14 @@ def prefill_work(c: StepCosts, prompt: int, cached: int) -> float:
     """Least instance time the prefill's own tokens take, within any batch."""
     n = prompt - cached
     return n * c.token_s + c.ctx_s * ctx_sum(prompt, cached) + c.sample_s
+
+
+def decode_work(c: StepCosts, prompt: int, output: int) -> float:
+    """Least decode-instance time of the ``output - 1`` tokens after the first: each a full step's
+    per-token share plus a sampled sequence's, and its context's KV read (prompt + the tokens up to
+    it). Additive, so no batch beats it: a decode step is the sum of its tokens' shares and more."""
+    n = max(0, output - 1)
+    return n * (c.token_s + c.sample_s) + c.kv_s * (n * prompt + n * (n + 1) / 2.0)
 
 
 def prefill_wall(c: StepCosts, prompt: int, cached: int) -> float:
@@ -184,44 +206,70 @@ def prefill_end(c: StepCosts, i: int, prompts: list[int], arrivals: list[float],
     return best
 
 
-def lp_bound(arrivals: np.ndarray, ends: np.ndarray, work: np.ndarray, instances: int, slot_s: float) -> dict[str, Any]:
+#: one pool of the slot LP: (window starts, window ends, work per request, instances)
+Pool = tuple[np.ndarray, np.ndarray, np.ndarray, int]
+
+
+def lp_bound(arrivals: np.ndarray, ends: np.ndarray, work: np.ndarray, instances: int, slot_s: float,
+             decode: Pool | None = None) -> dict[str, Any]:
     """max sum x_i over the slot LP of the module docstring. ``ends``: the latest prefill end
-    (deadline - least hand-over); a request with ``ends <= arrivals`` or infinite work gets x = 0."""
+    (deadline - least hand-over); a request with ``ends <= arrivals`` or infinite work gets x = 0.
+    ``decode``: a second pool (its own windows, work and instances) every served request also
+    needs, in the same proportion x_i."""
     n = len(arrivals)
+    pools: list[Pool] = [(arrivals, ends, work, instances)] + ([decode] if decode is not None else [])
     t0 = float(arrivals.min()) if n else 0.0
-    ok = (ends > arrivals) & np.isfinite(work)
-    lo = np.floor((arrivals - t0) / slot_s).astype(np.int64)
-    hi = np.where(ok, np.ceil((ends - t0) / slot_s).astype(np.int64), lo)  # slots lo..hi-1 overlap the window
-    counts = np.maximum(hi - lo, 0)
-    ny = int(counts.sum())
-    slots = int(hi.max()) if n else 0
-    owner = np.repeat(np.arange(n), counts)
-    slot = np.concatenate([np.arange(a, b) for a, b in zip(lo, hi, strict=True)]) if ny else np.zeros(0, np.int64)
-    # equality: sum_t y_it - work_i x_i = 0
-    rows = np.concatenate([owner, np.arange(n)])
-    cols = np.concatenate([n + np.arange(ny), np.arange(n)])
-    vals = np.concatenate([np.ones(ny), -np.where(ok, work, 0.0)])
-    a_eq = csr_matrix((vals, (rows, cols)), shape=(n, n + ny))
-    a_ub = csr_matrix((np.ones(ny), (slot, n + np.arange(ny))), shape=(slots, n + ny))
-    # a request works in a slot at most while its window overlaps it
-    overlap = (np.minimum(t0 + (slot + 1) * slot_s, ends[owner]) - np.maximum(t0 + slot * slot_s, arrivals[owner])
-               if ny else np.zeros(0))
-    bounds = np.column_stack([np.zeros(n + ny), np.concatenate([ok.astype(float), np.clip(overlap, 0.0, slot_s)])])
+    ok = np.ones(n, dtype=bool)
+    for starts, e, w, _ in pools:
+        ok &= (e > starts) & np.isfinite(w)
+    eq_r, eq_c, eq_v, ub_r, ub_c, caps, ys_hi = [], [], [], [], [], [], []
+    ny = slots_before = 0
+    for p, (starts, e, w, inst) in enumerate(pools):
+        lo = np.floor((starts - t0) / slot_s).astype(np.int64)
+        hi = np.where(ok, np.ceil((e - t0) / slot_s).astype(np.int64), lo)  # slots lo..hi-1 overlap the window
+        counts = np.maximum(hi - lo, 0)
+        m = int(counts.sum())
+        slots = int(hi.max()) if n else 0
+        owner = np.repeat(np.arange(n), counts)
+        slot = np.concatenate([np.arange(a, b) for a, b in zip(lo, hi, strict=True)]) if m else np.zeros(0, np.int64)
+        y = n + ny + np.arange(m)
+        # equality (row p*n + i): sum_t y_it - work_i x_i = 0
+        eq_r += [p * n + owner, p * n + np.arange(n)]
+        eq_c += [y, np.arange(n)]
+        eq_v += [np.ones(m), -np.where(ok, w, 0.0)]
+        ub_r.append(slots_before + slot)
+        ub_c.append(y)
+        caps.append(np.full(slots, inst * slot_s))
+        # a request works in a slot at most while its window overlaps it (one instance at a time)
+        overlap = (np.minimum(t0 + (slot + 1) * slot_s, e[owner]) - np.maximum(t0 + slot * slot_s, starts[owner])
+                   if m else np.zeros(0))
+        ys_hi.append(np.clip(overlap, 0.0, slot_s))
+        ny += m
+        slots_before += slots
+    a_eq = csr_matrix((np.concatenate(eq_v), (np.concatenate(eq_r), np.concatenate(eq_c))),
+                      shape=(n * len(pools), n + ny))
+    a_ub = csr_matrix((np.ones(ny), (np.concatenate(ub_r), np.concatenate(ub_c))), shape=(slots_before, n + ny))
+    bounds = np.column_stack([np.zeros(n + ny), np.concatenate([ok.astype(float), *ys_hi])])
     t = time.perf_counter()
-    res = linprog(np.concatenate([-np.ones(n), np.zeros(ny)]), A_ub=a_ub, b_ub=np.full(slots, instances * slot_s),
-                  A_eq=a_eq, b_eq=np.zeros(n), bounds=bounds, method="highs")
+    res = linprog(np.concatenate([-np.ones(n), np.zeros(ny)]), A_ub=a_ub, b_ub=np.concatenate(caps),
+                  A_eq=a_eq, b_eq=np.zeros(n * len(pools)), bounds=bounds, method="highs")
     solve_s = time.perf_counter() - t
     if res.status != 0:
         raise RuntimeError(f"the bound's LP failed: {res.message}")
-    return {"optimum": -float(res.fun), "x": res.x[:n], "variables": n + ny, "constraints": n + slots,
-            "slots": slots, "solve_s": solve_s}
+    return {"optimum": -float(res.fun), "x": res.x[:n], "variables": n + ny,
+            "constraints": n * len(pools) + slots_before, "slots": slots_before, "solve_s": solve_s}
 
 
 def attainment_bound(arrivals: list[float], blocks: list[tuple[int, list[int]]], profile: Profile, *, prefill: int,
                      ttft_s: float, block_size: int = 16, budget: int = 8192, noise_sigma: float = 0.0,
-                     noise_z: float = 0.0, slots_per_slo: int = 20) -> dict[str, Any]:
+                     noise_z: float = 0.0, slots_per_slo: int = 20, decode: int = 0,
+                     outputs: list[int] | None = None, tbt_s: float | None = None) -> dict[str, Any]:
     """The bound for requests arriving at ``arrivals`` with prompts ``blocks`` (``list(reuse.prompt_blocks(...))``)
-    on ``prefill`` instances of ``profile``; ``x``: the LP's served fraction per request."""
+    on ``prefill`` instances of ``profile``; ``x``: the LP's served fraction per request. With
+    ``decode`` instances, ``outputs`` (tokens per request) and the TBT SLO ``tbt_s``, it bounds the
+    attainment of both SLOs: the decode pool joins the LP."""
+    if decode and (outputs is None or tbt_s is None or len(outputs) != len(blocks)):
+        raise ValueError("a decode pool needs every request's output tokens and the TBT SLO")
     c = step_costs(profile, budget)
     f = math.exp(-noise_z * noise_sigma)  # every step this much faster than its mean, at best
     net = profile.net_bytes_per_s * profile.efficiency.get("net_efficiency", 1.0)
@@ -237,7 +285,16 @@ def attainment_bound(arrivals: list[float], blocks: list[tuple[int, list[int]]],
         ends.append(deadlines[i] - h)
         refused = p + 1 > profile.max_model_len  # the engine answers 400
         work.append(math.inf if refused or least[-1] > ttft_s else f * prefill_work(c, p, earlier[i] * block_size))
-    lp = lp_bound(arr, np.array(ends), np.array(work), prefill, ttft_s / slots_per_slo)
+    pool = None
+    if decode:
+        assert outputs is not None and tbt_s is not None
+        # after the first token (at least least_ttft after arrival, at most at the deadline) every
+        # gap but the slowest 10% is at most their mean (<= the TBT SLO): the last token is at most
+        # (output - 1) x SLO after the first
+        out = np.asarray(outputs, dtype=float)
+        pool = (arr + np.minimum(np.array(least), ttft_s), deadlines + np.maximum(out - 1, 0) * tbt_s,
+                np.array([f * decode_work(c, p, o) for p, o in zip(prompts, outputs, strict=True)]), decode)
+    lp = lp_bound(arr, np.array(ends), np.array(work), prefill, ttft_s / slots_per_slo, decode=pool)
     n = len(prompts)
     unreachable = sum(not math.isfinite(w) for w in work)
     return {"requests": n, "ttft_s": ttft_s, "noise_z": noise_z, "noise_factor": f, "unreachable": unreachable,
