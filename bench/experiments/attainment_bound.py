@@ -1,6 +1,6 @@
 """The SLO attainment no policy could exceed on the workload of one ``conductor simulate`` command
 line: the relaxation of loadgen/simulate/bound.py for its cluster, load and SLOs, with the prefill
-pool alone (goodput-bound.md's) and with the decode pool added (the bound for decode-bound slices).
+pool alone (goodput-bound.md's) and with the decode pool added (decode bandwidth too).
 
     .venv/bin/python bench/experiments/attainment_bound.py [--noise-z 4] [--measured OUT/summary.json] \\
         -- SIMULATE FLAGS (as given to `conductor simulate`)
