@@ -112,6 +112,11 @@ GRID: dict[str, dict[str, Any]] = {
     "tuned, join": {**_TUNED, "defer_join": True},
     "tuned, pools, join": {**_TUNED, "defer_size": "pools", "defer_join": True},
     "tuned, share, join": {**_TUNED, "defer_share": True, "defer_join": True},
+    # conversation's training choice with one knob moved
+    "tuned, share, join, aging 0.1": {**_TUNED, "defer_share": True, "defer_join": True, "defer_aging": 0.1},
+    "tuned, share, join, horizon 0.5 s": {**_TUNED, "defer_share": True, "defer_join": True,
+                                          "defer_horizon_s": 0.5},
+    "tuned, share, join, scan 128": {**_TUNED, "defer_share": True, "defer_join": True, "defer_scan": 128},
     "tuned, floor 4": {**_TUNED, "defer_floor_every": 4},
     "tuned, floor 8": {**_TUNED, "defer_floor_every": 8},
     "tuned, floor 16": {**_TUNED, "defer_floor_every": 16},
