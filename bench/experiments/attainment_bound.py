@@ -64,7 +64,7 @@ def main(argv: list[str]) -> int:
             line = (f"{pools:>16}, steps at -{z:g} sigma: bound {b['attainment_bound']:.4f} "
                     f"(unreachable {b['unreachable']}; LP {b['lp']['variables']} variables, "
                     f"{b['lp']['solve_s']:.1f} s)")
-            if measured:
+            if measured is not None:
                 ratio = b["attainment_bound"] / measured if measured else math.inf
                 line += f"; measured {measured:.4f}: ceiling {ratio:.3f}x"
             print(line, flush=True)

@@ -78,7 +78,7 @@ def headroom(r: dict[str, Any]) -> str:
 def bound_points(a: argparse.Namespace, measured: dict[str, Any]) -> list[dict[str, Any]]:
     profile = load_profile(measured["profile"])
     spec = dataclasses.replace(C.cluster(measured["prefill"], measured["decode"]), profile=measured["profile"])
-    sigma = engine_sigma(load_profile(measured["profile"]), spec.noise)
+    sigma = engine_sigma(profile, spec.noise)
     out = []
     for r in measured["results"]:
         name = r["workload"]
