@@ -78,3 +78,15 @@ def test_a_trace_without_reuse_has_no_hit_verdict(monkeypatch):
     row = next(line for line in S.hits_table([{"workload": "azure_code", "points": [pt]}]).splitlines()
                if line.startswith("| azure_code"))
     assert "- (no reuse)" in row and "**no**" not in row
+
+
+def test_the_figure_is_drawn_from_the_results_and_the_page_shows_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(S, "reuse_bounds", lambda: {"synthetic": 0.5})
+    runs = {S.DEFERRED: [0.9, 0.8], "a": [0.75, 0.5], "b": [0.6, 0.64]}
+    pt = {"ttft_s": 30.0, "load": 2.5, "runs": runs, **S.point_summary(runs)}
+    results = [{"workload": "synthetic", "points": [pt, {**pt, "load": 3.5}]}]
+    path = tmp_path / "seeds" / "ratios.png"
+    S.plot(results, path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    page = S.render(results, "cmd", "some setting")
+    assert f"]({S.FIGURE})" in page and S.FIGURE.endswith("ratios.png")

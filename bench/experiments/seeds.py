@@ -22,6 +22,7 @@ import json
 import statistics
 import sys
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import _common as C
@@ -95,6 +96,47 @@ def evaluate(name: str, a: argparse.Namespace, setting: str) -> dict[str, Any]:
     return {"workload": name, "eval": len(w.requests), "setting": setting, "points": out}
 
 
+#: the figure beside the page (``plot``), relative to docs/experiments/
+FIGURE = f"{PAGE}/ratios.png"
+
+
+def plot(results: list[dict[str, Any]], path: Path) -> None:
+    """The page's verdict as a figure: at each point, conductor + defer's attainment per seed against
+    every other policy's (top), and its ratio to the best other per seed with their mean, beside the
+    1.2x target (bottom)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = [(r["workload"], pt) for r in results for pt in r["points"]]
+    labels = [f"{w} {pt['ttft_s']:g} s\n{D.load_label(w, pt['load'])}" for w, pt in pts]
+    xs = range(len(pts))
+    fig, (left, right) = plt.subplots(2, 1, figsize=(max(8.0, 1.3 * len(pts)), 8.5))
+    for i, (_, pt) in enumerate(pts):
+        rest = [100 * x for k, v in pt["runs"].items() if k != DEFERRED for x in v]
+        left.scatter([i - 0.12] * len(rest), rest, s=9, color="tab:gray", alpha=0.45,
+                     label="every other policy" if i == 0 else None)
+        ours = [100 * x for x in pt["runs"][DEFERRED]]
+        left.scatter([i + 0.12] * len(ours), ours, s=22, color="tab:red", zorder=3, label=DEFERRED if i == 0 else None)
+        right.scatter([i] * len(pt["ratios"]), pt["ratios"], s=14, color="tab:blue", alpha=0.6,
+                      label="per seed" if i == 0 else None)
+        right.scatter([i], [pt["ratio_mean"]], s=90, marker="_", color="black", linewidths=2,
+                      label="mean of the seeds" if i == 0 else None)
+    right.axhline(1.2, color="tab:red", linestyle="--", linewidth=1, label="1.2x (issue 15)")
+    left.set_ylabel("SLO attainment (%)")
+    left.set_title("attainment per seed")
+    right.set_ylabel("conductor + defer / best other")
+    right.set_title("ratio to the best other policy, per seed")
+    for ax in (left, right):
+        ax.set_xticks(list(xs), labels, fontsize=7)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
 def render(results: list[dict[str, Any]], command: str, setting: str, every: bool = False) -> str:
     rows, prows = [], []
     for r in results:
@@ -118,7 +160,7 @@ def render(results: list[dict[str, Any]], command: str, setting: str, every: boo
                                 f"(deferral.md's per-workload table): {'; '.join(own)}")
     rivals = "every other built-in policy" if every else "goodput-curves' strongest baselines for the workload"
     return f"""
-**Command** (regenerates this block and results.json):
+**Command** (regenerates this block, results.json and ratios.png):
 
 ```
 {command}
@@ -131,6 +173,8 @@ others are {rivals}, as they ship. Each is run with seeds
 0-{seeds - 1} (`conductor simulate --seed`: engine timing noise, the scheduler's tie-breaks and the
 prompts' salt; the same trace and arrivals). Seed 0 is deferral.md's run. Ratios are attainment
 ratios at equal offered load (= goodput ratios); "best other" is taken per seed.
+
+![attainment and ratio per seed at each point](""" + FIGURE + """)
 
 """ + C.md_table(["workload", "TTFT SLO", "load", "conductor + defer per seed", "best other per seed",
                   "ratio per seed", "ratio: mean (range)", "ratio of the means", "seeds at 1.2x or more"], rows) + """
@@ -205,6 +249,7 @@ def main() -> None:
         command = C.command_line()
         C.save_json(C.DOCS / PAGE / "results.json", {"command": command, "setting": setting, "all_others": every,
                                                      "results": results})
+    plot(results, C.DOCS / FIGURE)
     C.write_doc(C.DOCS / f"{PAGE}.md", "Seeds: how much of a ratio is the run",
                 render(results, command, setting, every),
                 "## Discussion\n\n(hand-written; kept when the command regenerates the block above)\n", command)
