@@ -150,6 +150,16 @@ def write_doc(path: Path, title: str, generated: str, discussion: str, command: 
     path.write_text(f"# {title}\n\n{stamp}\n{generated.rstrip()}\n{END}\n\n{kept.rstrip()}\n")
 
 
+def save_figure(fig: Any, path: Path, dpi: int) -> None:
+    """Lay out, write (its folder made) and close a page's matplotlib figure."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+
+
 def save_json(path: Path, data: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:

@@ -114,10 +114,7 @@ def plot(results, path, a) -> None:
     ax.legend()
     ax.set_title(f"Scheduling ablation, conversation trace (first {a.limit} requests, {a.speedup:g}x), "
                  f"{a.prefill}P+{a.decode}D {C.PROFILE}", fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    C.save_figure(fig, path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -171,10 +171,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
             ax.set_ylabel("goodput (req/s meeting both SLOs)")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    C.save_figure(fig, path, dpi=90)
 
 
 def load_label(name: str, load: float) -> str:

@@ -193,10 +193,7 @@ def plot(series, path, a, cfg) -> None:
     np.atleast_1d(axes)[-1].set_xlabel("simulated time (s)")
     fig.suptitle(f"Conversation trace, first {a.limit} requests at {a.speedup:g}x, conductor {label(cfg)}, "
                  f"TTFT <= {a.slo_ttft_s:g} s", fontsize=11)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    C.save_figure(fig, path, dpi=100)
 
 
 if __name__ == "__main__":

@@ -131,10 +131,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
         ax.set_xticks(list(xs), labels, fontsize=7)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    C.save_figure(fig, path, dpi=90)
 
 
 def render(results: list[dict[str, Any]], command: str, setting: str, every: bool = False) -> str:
