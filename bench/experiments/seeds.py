@@ -111,23 +111,23 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     pts = [(r["workload"], pt) for r in results for pt in r["points"]]
     labels = [f"{w} {pt['ttft_s']:g} s\n{D.load_label(w, pt['load'])}" for w, pt in pts]
     xs = range(len(pts))
-    fig, (left, right) = plt.subplots(2, 1, figsize=(max(8.0, 1.3 * len(pts)), 8.5))
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(8.0, 1.3 * len(pts)), 8.5))
     for i, (_, pt) in enumerate(pts):
         rest = [100 * x for k, v in pt["runs"].items() if k != DEFERRED for x in v]
-        left.scatter([i - 0.12] * len(rest), rest, s=9, color="tab:gray", alpha=0.45,
+        top.scatter([i - 0.12] * len(rest), rest, s=9, color="tab:gray", alpha=0.45,
                      label="every other policy" if i == 0 else None)
         ours = [100 * x for x in pt["runs"][DEFERRED]]
-        left.scatter([i + 0.12] * len(ours), ours, s=22, color="tab:red", zorder=3, label=DEFERRED if i == 0 else None)
-        right.scatter([i] * len(pt["ratios"]), pt["ratios"], s=14, color="tab:blue", alpha=0.6,
+        top.scatter([i + 0.12] * len(ours), ours, s=22, color="tab:red", zorder=3, label=DEFERRED if i == 0 else None)
+        bottom.scatter([i] * len(pt["ratios"]), pt["ratios"], s=14, color="tab:blue", alpha=0.6,
                       label="per seed" if i == 0 else None)
-        right.scatter([i], [pt["ratio_mean"]], s=90, marker="_", color="black", linewidths=2,
+        bottom.scatter([i], [pt["ratio_mean"]], s=90, marker="_", color="black", linewidths=2,
                       label="mean of the seeds" if i == 0 else None)
-    right.axhline(1.2, color="tab:red", linestyle="--", linewidth=1, label="1.2x (issue 15)")
-    left.set_ylabel("SLO attainment (%)")
-    left.set_title("attainment per seed")
-    right.set_ylabel("conductor + defer / best other")
-    right.set_title("ratio to the best other policy, per seed")
-    for ax in (left, right):
+    bottom.axhline(1.2, color="tab:red", linestyle="--", linewidth=1, label="1.2x (issue 15)")
+    top.set_ylabel("SLO attainment (%)")
+    top.set_title("attainment per seed")
+    bottom.set_ylabel("conductor + defer / best other")
+    bottom.set_title("ratio to the best other policy, per seed")
+    for ax in (top, bottom):
         ax.set_xticks(list(xs), labels, fontsize=7)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
