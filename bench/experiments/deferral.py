@@ -59,6 +59,7 @@ _BASE: dict[str, Any] = {"defer_horizon_s": 1.0, "defer_aging": 0.05, "defer_sca
 # the room goes to the cheapest waiter among the longest quarter of the recent prompts that can still meet its
 # SLO), "slack aging" (priority = cost x share of the TTFT SLO left), and a plain larger aging for comparison
 _TUNED: dict[str, Any] = {**_BASE, "defer_wait_holder": True, "defer_holder_ratio": 1.5}
+_SHARE_JOIN: dict[str, Any] = {**_TUNED, "defer_share": True, "defer_join": True}  # conversation's choice
 GRID: dict[str, dict[str, Any]] = {
     "horizon 0.25 s": {"defer_horizon_s": 0.25},
     "horizon 1 s": {"defer_horizon_s": 1.0},
@@ -111,17 +112,13 @@ GRID: dict[str, dict[str, Any]] = {
     # no arrival overtakes the room: one that would go at once joins it while anyone waits (defer_join)
     "tuned, join": {**_TUNED, "defer_join": True},
     "tuned, pools, join": {**_TUNED, "defer_size": "pools", "defer_join": True},
-    "tuned, share, join": {**_TUNED, "defer_share": True, "defer_join": True},
+    "tuned, share, join": _SHARE_JOIN,
     # conversation's training choice with one knob moved
-    "tuned, share, join, aging 0.1": {**_TUNED, "defer_share": True, "defer_join": True, "defer_aging": 0.1},
-    "tuned, share, join, horizon 0.5 s": {**_TUNED, "defer_share": True, "defer_join": True,
-                                          "defer_horizon_s": 0.5},
-    "tuned, share, join, scan 128": {**_TUNED, "defer_share": True, "defer_join": True, "defer_scan": 128},
-    "tuned, share, join, aging 0": {**_TUNED, "defer_share": True, "defer_join": True, "defer_aging": 0.0},
-    "tuned, share, join, aging 0.025": {**_TUNED, "defer_share": True, "defer_join": True, "defer_aging": 0.025},
-    "tuned, share, join, aging 0.2": {**_TUNED, "defer_share": True, "defer_join": True, "defer_aging": 0.2},
-    "tuned, share, join, aging 0.1, horizon 0.5 s": {**_TUNED, "defer_share": True, "defer_join": True,
-                                                     "defer_aging": 0.1, "defer_horizon_s": 0.5},
+    **{f"tuned, share, join, {name}": {**_SHARE_JOIN, **knobs} for name, knobs in (
+        ("aging 0.1", {"defer_aging": 0.1}), ("horizon 0.5 s", {"defer_horizon_s": 0.5}),
+        ("scan 128", {"defer_scan": 128}), ("aging 0", {"defer_aging": 0.0}),
+        ("aging 0.025", {"defer_aging": 0.025}), ("aging 0.2", {"defer_aging": 0.2}),
+        ("aging 0.1, horizon 0.5 s", {"defer_aging": 0.1, "defer_horizon_s": 0.5}))},
     "tuned, floor 4": {**_TUNED, "defer_floor_every": 4},
     "tuned, floor 8": {**_TUNED, "defer_floor_every": 8},
     "tuned, floor 16": {**_TUNED, "defer_floor_every": 16},

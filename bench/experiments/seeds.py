@@ -115,13 +115,13 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     for i, (_, pt) in enumerate(pts):
         rest = [100 * x for k, v in pt["runs"].items() if k != DEFERRED for x in v]
         top.scatter([i - 0.12] * len(rest), rest, s=9, color="tab:gray", alpha=0.45,
-                     label="every other policy" if i == 0 else None)
+                    label="every other policy" if i == 0 else None)
         ours = [100 * x for x in pt["runs"][DEFERRED]]
         top.scatter([i + 0.12] * len(ours), ours, s=22, color="tab:red", zorder=3, label=DEFERRED if i == 0 else None)
         bottom.scatter([i] * len(pt["ratios"]), pt["ratios"], s=14, color="tab:blue", alpha=0.6,
-                      label="per seed" if i == 0 else None)
+                       label="per seed" if i == 0 else None)
         bottom.scatter([i], [pt["ratio_mean"]], s=90, marker="_", color="black", linewidths=2,
-                      label="mean of the seeds" if i == 0 else None)
+                       label="mean of the seeds" if i == 0 else None)
     bottom.axhline(1.2, color="tab:red", linestyle="--", linewidth=1, label="1.2x (issue 15)")
     top.set_ylabel("SLO attainment (%)")
     top.set_title("attainment per seed")
