@@ -87,6 +87,26 @@ def test_oracle_predictors_predict_the_engine_better_than_the_public_prior():
     assert errs["oracle"] < errs["analytic"]
 
 
+def test_the_oracle_tbt_reads_only_the_kv_that_fits_as_the_analytic_tbt_does():
+    """KV the ledger reserved past a decode instance's capacity waits for room (the decode wait);
+    a step reads at most a full cache. An oracle stretching the step with it counted that wait twice."""
+    from engines_adapters.sim.profiles import load_profile
+    from loadgen.simulate.oracle import oracle_predictors
+    from predictors.base import DecodeState
+
+    spec = ClusterSpec(prefill=1, decode=1, profile="llama3-8b-h200", engine={"kv_capacity_tokens": 100_000})
+    tbt = oracle_predictors(spec).tbt.tbt
+    at_cap = tbt(DecodeState("d", 49, 100_000 - 2_000), 1_000, 1_000)  # 50 sequences filling the cache
+    past = tbt(DecodeState("d", 149, 300_000 - 2_000), 1_000, 1_000)  # 3x as much reserved, same per sequence
+    under = tbt(DecodeState("d", 24, 50_000 - 2_000), 1_000, 1_000)  # half the cache
+    assert past == pytest.approx(at_cap, rel=1e-9)
+    assert under < at_cap  # below the capacity the step still grows with the KV it reads
+    default = oracle_predictors(ClusterSpec(prefill=1, decode=1, profile="llama3-8b-h200")).tbt.tbt
+    cap = load_profile("llama3-8b-h200").kv_capacity_tokens  # no override: the profile's own capacity
+    full = default(DecodeState("d", 99, cap - 2_000), 1_000, 1_000)
+    assert default(DecodeState("d", 299, 3 * cap), 1_000, 1_000) < 1.5 * full
+
+
 def conductor(*args, cwd=ROOT):
     return subprocess.run([sys.executable, "-m", "gateway.cli", "simulate", *args], capture_output=True, text=True,
                           cwd=cwd, timeout=300)

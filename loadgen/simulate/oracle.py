@@ -13,7 +13,7 @@ from typing import Callable
 
 from engines_adapters.sim.profiles import Profile, load_profile
 from engines_adapters.sim.timing import StepTimer, chunk_ctx
-from predictors.analytic import AnalyticQueue
+from predictors.analytic import AnalyticQueue, resident_share
 from predictors.base import DecodeState, Predictors
 from predictors.learned import learned_predictors
 from predictors.registry import make_predictors
@@ -28,8 +28,9 @@ class _Oracle:
 
     MEMO_LIMIT = 1 << 16
 
-    def __init__(self, profile: Profile, chunk_tokens: int, block_size: int):
+    def __init__(self, profile: Profile, chunk_tokens: int, block_size: int, kv_capacity_tokens: int | None = None):
         self.timer = StepTimer(profile)
+        self.kv_capacity = profile.kv_capacity_tokens if kv_capacity_tokens is None else kv_capacity_tokens
         self.chunk = chunk_tokens
         eff = profile.efficiency
         self.latency = eff.get("transfer_latency_ms", 1.0) * 1e-3
@@ -62,14 +63,17 @@ class _Oracle:
         return self.latency + tokens * self.kv_bytes / bandwidth
 
     def tbt(self, state: DecodeState, prompt_tokens: int, max_tokens: int) -> float:
-        batch = state.running + 1
-        kv = state.kv_tokens + prompt_tokens + max(1, max_tokens)
+        # the step reads what fits: KV reserved past the capacity waits for room (the ledger's
+        # decode wait), as the analytic TBT has it (docs/predictors.md)
+        batch, kv = resident_share(state.running + 1, state.kv_tokens + prompt_tokens + max(1, max_tokens),
+                                   self.kv_capacity)
         return self.timer.duration(batch, batch, 0.0, kv)
 
 
 def oracle_predictors(cluster: ClusterSpec) -> Predictors:
     engine = cluster.engine
-    o = _Oracle(load_profile(cluster.profile), int(engine.get("max_num_batched_tokens", 8192)), cluster.block_size)
+    o = _Oracle(load_profile(cluster.profile), int(engine.get("max_num_batched_tokens", 8192)), cluster.block_size,
+                engine.get("kv_capacity_tokens"))
     return Predictors(queue=AnalyticQueue(), prefill=o, transfer=o, tbt=o, group=lambda instance: 0)
 
 
