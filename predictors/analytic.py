@@ -153,15 +153,17 @@ def roofline_prefill_s(r: Roofline, prompt_tokens: int, cached_tokens: int) -> f
     return max(compute_s, memory_bytes / r.mem_bytes_per_s) + steps * r.step_overhead_s
 
 
-def roofline_decode_step_s(r: Roofline, batch: int, kv_tokens: int) -> float:
-    """One decode step for ``batch`` sequences holding ``kv_tokens`` KV tokens in total."""
+def roofline_decode_step_s(r: Roofline, batch: int, kv_tokens: int, kv_share: float = 1.0) -> float:
+    """One decode step for ``batch`` sequences holding ``kv_tokens`` KV tokens in total
+    (``kv_share``: :class:`~predictors.base.DecodeState`'s)."""
     batch = batch if batch > 1 else 1  # max() as conditionals: this runs once per decode candidate
     kv = kv_tokens if kv_tokens > 0 else 0
     memory = (r.weight_bytes + kv * r.kv_bytes_per_token) / r.mem_bytes_per_s
     compute = 2.0 * r.params * batch / r.flops_per_s + 4.0 * r.layers * r.hidden * kv / r.attn_flops_per_s
     step = (compute if compute > memory else memory) + r.step_overhead_s
-    if kv > r.kv_capacity_tokens:  # overcommitted: preemption and recompute stretch every step
-        step *= kv / r.kv_capacity_tokens
+    held = kv * kv_share
+    if held > r.kv_capacity_tokens:  # overcommitted: preemption and recompute stretch every step
+        step *= held / r.kv_capacity_tokens
     return step
 
 
@@ -265,18 +267,22 @@ class AnalyticTransfer:
         return latency + tokens * dst.kv_bytes_per_token / bandwidth
 
 
-def resident_share(batch: int, kv_tokens: int, cap: int) -> tuple[int, int]:
+def resident_share(batch: int, kv_tokens: int, cap: int, kv_share: float = 1.0) -> tuple[int, int]:
     """The batch and KV a decode step runs when the ledger has reserved ``kv_tokens`` on an
     instance holding ``cap``: past the capacity the excess waits for room (the ledger's decode
-    wait), so the step reads a full cache and carries the batch's share that fits."""
+    wait), so the step reads a full cache and carries the batch's share that fits. A full cache
+    whose sequences share prefix blocks (``kv_share`` < 1) holds ``cap / kv_share`` tokens of
+    context, and the step reads them all."""
+    if kv_share < 1.0:
+        cap = int(cap / kv_share)
     if kv_tokens > cap:
         return max(1, int(batch * cap / kv_tokens)), cap
     return batch, kv_tokens
 
 
-def reserved_decode_step_s(r: Roofline, batch: int, kv_tokens: int) -> float:
+def reserved_decode_step_s(r: Roofline, batch: int, kv_tokens: int, kv_share: float = 1.0) -> float:
     """The decode step of what the ledger has reserved on an instance (:func:`resident_share`)."""
-    return roofline_decode_step_s(r, *resident_share(batch, kv_tokens, r.kv_capacity_tokens))
+    return roofline_decode_step_s(r, *resident_share(batch, kv_tokens, r.kv_capacity_tokens, kv_share), kv_share)
 
 
 class AnalyticTBT:
@@ -286,7 +292,7 @@ class AnalyticTBT:
     def tbt(self, state: DecodeState, prompt_tokens: int, max_tokens: int) -> float:
         r = self.book.keyed(state.instance)[1]
         return reserved_decode_step_s(r, state.running + 1, state.kv_tokens + prompt_tokens
-                                      + (max_tokens if max_tokens > 1 else 1))
+                                      + (max_tokens if max_tokens > 1 else 1), state.kv_share)
 
 
 def analytic_predictors(book: DeploymentBook | None = None, *, prior: Prior | None = None) -> Predictors:

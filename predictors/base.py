@@ -26,11 +26,16 @@ class PrefillState(NamedTuple):
 
 
 class DecodeState(NamedTuple):
-    """Running sequences and the KV tokens they hold on one decode instance."""
+    """Running sequences and the KV tokens they hold on one decode instance.
+
+    ``kv_tokens`` counts each sequence's whole context, as a decode step reads it; ``kv_share`` is
+    the device KV the engine holds per such token (below 1 where running sequences share prefix
+    blocks, held once), so that the cache fits ``capacity / kv_share`` of them."""
 
     instance: str
     running: int = 0
     kv_tokens: int = 0
+    kv_share: float = 1.0
 
 
 @runtime_checkable

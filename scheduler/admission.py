@@ -91,7 +91,7 @@ def check_tbt(tbt_s: float, slo_s: float | None, state: DecodeState, departures:
     running, kv, wait = state.running, state.kv_tokens, None
     for r in departures:  # soonest predicted end first
         running, kv = max(0, running - 1), max(0, kv - r.kv_tokens)
-        if predictors.tbt.tbt(DecodeState(state.instance, running, kv), prompt_tokens, max_tokens) <= slo_s:
+        if predictors.tbt.tbt(state._replace(running=running, kv_tokens=kv), prompt_tokens, max_tokens) <= slo_s:
             wait = r.decode_end_s - now
             break
     if wait is None:  # our departures are not enough (load we did not place): the last one we know

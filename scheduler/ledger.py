@@ -25,6 +25,12 @@ _prefill_state = tuple.__new__  # a PrefillState built in C (its generated __new
 
 #: Seconds over which :meth:`Ledger.decode_load` averages the cluster's decode load.
 DECODE_LOAD_TAU_S = 1.0
+#: Weight of each observation in a decode instance's learned ``kv_share`` (an EWMA over polls).
+KV_SHARE_ALPHA = 0.3
+#: A ``kv_share`` sample needs the admitted reservations to hold this share of the capacity (a few
+#: sequences say little about the mix), and is floored (a stale metric against a busy ledger).
+KV_SHARE_MIN_HELD = 0.05
+KV_SHARE_FLOOR = 0.2
 #: Output tokens a second beyond any real decode (a thousand times the fastest): a reservation
 #: predicted to decode faster has a span too short for :meth:`Ledger.decode_kv_wait`'s sweep.
 _MAX_DECODE_RATE = 1e6
@@ -44,6 +50,7 @@ class Reservation:
     prefill_pending: bool = True
     output_tokens: int = 0  # of kv_tokens, the output (max_tokens): held only as it is generated
     ready_s: float = -1.0  # its KV ready to ship to the decode instance (the prefill's end); < 0: decode_start_s
+    admitted_s: float = -1.0  # its first token seen: the decode engine holds its KV; < 0: not yet
 
 
 @dataclass(slots=True)
@@ -71,13 +78,18 @@ class _Load:
     kv_capacity_tokens: int = 0
     typical_prefill_s: float = 0.0  # for queue seen in metrics but not in the ledger
     decode_now: DecodeState | None = None  # cached (running, kv) view; None when stale
+    kv_share: float = 1.0  # device KV per context token the engine holds (learned in ``observe``)
 
 
-def split_params(policy_params: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
-    """``decode_fifo`` (the ledger's decode wait replayed first come first served; on by default,
-    ``off`` keeps the earlier sweep) out of a policy's raw parameters, and the rest. Any policy takes it."""
+def split_params(policy_params: dict[str, Any]) -> tuple[dict[str, bool], dict[str, Any]]:
+    """The ledger's options out of a policy's raw parameters (any policy takes them), and the rest:
+    ``decode_fifo`` (the decode wait replayed first come first served; ``off`` keeps the earlier
+    sweep) and ``decode_share`` (the TBT of a cache whose sequences share prefix blocks, learned
+    from the engines' KV usage; ``off`` counts whole contexts against the capacity), both on by
+    default. Keyword arguments of :class:`Ledger`."""
     rest = dict(policy_params)
-    return bool(_coerce("decode_fifo", bool, rest.pop("decode_fifo", True))), rest
+    return {"fifo_decode": bool(_coerce("decode_fifo", bool, rest.pop("decode_fifo", True))),
+            "learn_kv_share": bool(_coerce("decode_share", bool, rest.pop("decode_share", True)))}, rest
 
 
 def _fifo_kv_wait(d: _Load, need: int, t0: float, now: float) -> float:
@@ -117,13 +129,33 @@ def _fifo_kv_wait(d: _Load, need: int, t0: float, now: float) -> float:
     return max(0.0, admit(float(need), t0) - now)
 
 
+def _learn_kv_share(d: _Load, kv_usage: float) -> None:
+    """One sample of ``kv_share``: the KV the engine reports in use over the context its admitted
+    reservations hold (prompt and half the output each, as the decode wait counts them). An engine
+    keeps a prefix that running sequences share once, while each step reads every sequence's whole
+    context: on a full cache that is 1 / kv_share more context than the capacity, and a slower step
+    (docs/predictors.md, "Shared prefixes on a full decode cache")."""
+    cap = d.kv_capacity_tokens
+    if cap <= 0:
+        return
+    held = sum(r.kv_tokens - r.output_tokens / 2 for r in d.decoding.values() if r.admitted_s >= 0)
+    if held < KV_SHARE_MIN_HELD * cap:
+        return
+    sample = kv_usage * cap / held
+    sample = KV_SHARE_FLOOR if sample < KV_SHARE_FLOOR else 1.0 if sample > 1.0 else sample
+    d.kv_share += KV_SHARE_ALPHA * (sample - d.kv_share)
+    d.decode_now = None
+
+
 class Ledger:
     """Reservations and the per-instance load they add up to; pure, clock passed in."""
 
-    def __init__(self, observe_ttl_s: float = 10.0, fifo_decode: bool = True):
+    def __init__(self, observe_ttl_s: float = 10.0, fifo_decode: bool = True, learn_kv_share: bool = True):
         self.observe_ttl_s = observe_ttl_s
         # the decode wait as the engine admits waiters: first come first served (``_fifo_kv_wait``)
         self.fifo_decode = fifo_decode
+        # each decode instance's kv_share from its reported KV usage (``observe``)
+        self.learn_kv_share = learn_kv_share
         self._loads: dict[str, _Load] = {}
         self._reservations: dict[str, Reservation] = {}
         self._load_avg: float | None = None  # decode_load's smoothed reservations per instance
@@ -188,6 +220,15 @@ class Ledger:
         duration = r.decode_end_s - r.decode_start_s
         r.decode_start_s, r.decode_end_s = now, now + duration
         r.ready_s = now
+        return True
+
+    def decode_started(self, request_id: str, now: float) -> bool:
+        """Its first token came: the decode engine admitted it and holds its KV (what ``observe``
+        compares the engine's KV usage with). True the first time only."""
+        r = self._reservations.get(request_id)
+        if r is None or r.admitted_s >= 0:
+            return False
+        r.admitted_s = now
         return True
 
     def release(self, request_id: str, now: float) -> bool:
@@ -282,14 +323,14 @@ class Ledger:
             if o is None:
                 s = d.decode_now
                 if s is None:
-                    s = d.decode_now = DecodeState(instance_id, d.running, d.kv_tokens)
+                    s = d.decode_now = DecodeState(instance_id, d.running, d.kv_tokens, d.kv_share)
                 out.append(s)
                 continue
             running, kv = d.running, d.kv_tokens
             if now - o.at_s <= ttl:
                 running = max(running, o.running)
                 kv = max(kv, int(o.kv_usage * d.kv_capacity_tokens))
-            out.append(DecodeState(instance_id, running, kv))
+            out.append(DecodeState(instance_id, running, kv, d.kv_share))
         return out
 
     def decode_state_at(self, instance_id: str, t: float, now: float) -> DecodeState:
@@ -311,7 +352,7 @@ class Ledger:
         if o is not None and now - o.at_s <= self.observe_ttl_s:  # unplaced load stays
             running += max(0, o.running - d.running)
             kv += max(0, int(o.kv_usage * d.kv_capacity_tokens) - d.kv_tokens)
-        return DecodeState(instance_id, running, kv)
+        return DecodeState(instance_id, running, kv, d.kv_share)
 
     def decode_kv_wait(self, instance_id: str, need_tokens: int, t0: float, now: float) -> float:
         """Seconds from ``now`` until the decode instance has room for ``need_tokens`` more KV
@@ -406,6 +447,8 @@ class Ledger:
         if not ok:
             return False
         d.observed = _Observed(int(running), int(waiting), float(kv_usage), now)
+        if self.learn_kv_share:
+            _learn_kv_share(d, float(kv_usage))
         return True
 
     def decode_load(self, instances: int, now: float, tau_s: float = DECODE_LOAD_TAU_S) -> float:

@@ -232,6 +232,7 @@ class RequestLifecycle:
         if self.phase is Phase.HANDED_OVER:
             rec.first_token_s = now
             self.phase = Phase.STREAMING
+            self.scheduler.decode_started(rec.request_id)
         rec.token_times.append(now)
 
     # --- failure before the first token -------------------------------------------------

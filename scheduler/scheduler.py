@@ -69,9 +69,10 @@ class Scheduler:
         # wait room reads them (the scheduler itself decides the same either way)
         self.defer: DeferParams
         self.defer, policy_params = split_defer(policy_params)
-        # the decode wait replayed as the engine admits, first come first served (on by default,
-        # decode_fifo=off for the earlier sweep: docs/scheduler.md); any policy takes it
-        fifo_decode, policy_params = split_ledger(policy_params)
+        # the decode wait replayed as the engine admits, first come first served, and the TBT of
+        # a cache sharing prefix blocks (both on by default; decode_fifo=off, decode_share=off
+        # for the earlier models: docs/scheduler.md); any policy takes them
+        ledger_options, policy_params = split_ledger(policy_params)
         self.policy = make_policy(policy, **policy_params)
         self.overload: CostWindow | None = CostWindow(overload) if overload.enabled else None
         self.policy_name = policy
@@ -89,7 +90,7 @@ class Scheduler:
         self.admission = admission
         self.late_rejection = late_rejection
         self.index: PrefixIndex = index if index is not None else HitIndex(block_size)
-        self.ledger: LoadLedger = ledger if ledger is not None else Ledger(fifo_decode=fifo_decode)
+        self.ledger: LoadLedger = ledger if ledger is not None else Ledger(**ledger_options)
         self.inflight = InflightPrefixes()
         self._inflight = self.policy.reads_inflight  # kept only for a policy that reads it
         # analytic predictors over the instances' public deployments unless some are injected
@@ -305,6 +306,13 @@ class Scheduler:
         self.inflight.prefill_done(request_id, now)
         self.store_traffic.done(request_id, now)  # its write-through starts now
         return self.ledger.prefill_done(request_id, now)
+
+    def decode_started(self, request_id: str) -> bool:
+        """Its first token came: the decode engine holds its KV (the ledger learns each decode
+        instance's prefix sharing from these). True the first time only."""
+        if not isinstance(request_id, str):
+            return False
+        return self.ledger.decode_started(request_id, self.clock())
 
     def admit_decode(self, facts: RequestFacts, decode: str) -> Rejection | None:
         """``late_rejection`` only (Mooncake's baseline without early rejection): when the request's

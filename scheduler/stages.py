@@ -203,6 +203,17 @@ def _overload(sched: Scheduler, ctx: DecisionContext, ch: Choice, commit: bool) 
                                                         commit)
 
 
+def _span_tbt(sched: Scheduler, d: DecodeCandidate, facts: RequestFacts) -> float:
+    """The TBT a reservation's decode span is predicted with: the decode wait's replay holds
+    whole contexts against the capacity, so it frees room at the right rate with the step of a
+    cache holding no more than that (``kv_share`` 1), not with the true, slower step of the
+    larger batch the engine fits by sharing prefix blocks (docs/predictors.md, "Shared prefixes
+    on a full decode cache")."""
+    if d.state.kv_share >= 1.0:
+        return d.tbt_s
+    return sched.predictors.tbt.tbt(d.state._replace(kv_share=1.0), facts.prompt_tokens, facts.max_tokens)
+
+
 # --- stage 5: admission against the SLO ----------------------------------------------
 def _admit(sched: Scheduler, ctx: DecisionContext, ch: Choice, commit: bool = True) -> None:
     """Fill in the pair's TTFT, SLO and record; a violated SLO refuses (raises ``Refused``)."""
@@ -247,7 +258,8 @@ def admit_decode(sched: Scheduler, facts: RequestFacts, decode: str) -> Rejectio
     now = sched.clock()
     decoding = [x for x in sched.ledger.decode_departures(decode)
                 if not x.prefill_pending and x.request_id != facts.request_id]
-    state = DecodeState(decode, len(decoding), sum(x.kv_tokens for x in decoding))
+    state = DecodeState(decode, len(decoding), sum(x.kv_tokens for x in decoding),
+                        sched.ledger.decode_state(decode, now).kv_share)
     tbt = sched.predictors.tbt.tbt(state, facts.prompt_tokens, facts.max_tokens)
     v = admission.check_tbt(tbt, slo.tbt_s, state, decoding, facts.prompt_tokens, facts.max_tokens,
                             sched.predictors, now)
@@ -283,7 +295,7 @@ def _commit(sched: Scheduler, ctx: DecisionContext, ch: Choice, commit: bool) ->
         sched.policy.placed(ctx, p.id, d.id, ch.chose_decode)  # first: if it raises, nothing is held
         sched.ledger.reserve(Reservation(rid, p.id, d.id, facts.prompt_tokens - terms.hit_tokens, terms.prefill_s,
                                          need, now, decode_start,
-                                         decode_start + max(1, facts.max_tokens) * d.tbt_s,
+                                         decode_start + max(1, facts.max_tokens) * _span_tbt(sched, d, facts),
                                          output_tokens=max(1, facts.max_tokens),
                                          ready_s=ch.prefill_done_at), now)
         if sched._inflight:

@@ -13,8 +13,9 @@ from tests.test_simulate import conductor
 
 
 def test_the_option_parses_for_any_policy_and_is_on_by_default():
-    assert split_params({"decode_fifo": "off", "work_weight": 2}) == (False, {"work_weight": 2})
-    assert split_params({}) == (True, {})
+    assert split_params({"decode_fifo": "off", "work_weight": 2}) == (
+        {"fifo_decode": False, "learn_kv_share": True}, {"work_weight": 2})
+    assert split_params({}) == ({"fifo_decode": True, "learn_kv_share": True}, {})
     with pytest.raises(ValueError, match="decode_fifo"):
         split_params({"decode_fifo": "maybe"})
     insts = [Instance("p", "prefill"), Instance("d", "decode")]

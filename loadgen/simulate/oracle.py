@@ -66,7 +66,7 @@ class _Oracle:
         # the step reads what fits: KV reserved past the capacity waits for room (the ledger's
         # decode wait), as the analytic TBT has it (docs/predictors.md)
         batch, kv = resident_share(state.running + 1, state.kv_tokens + prompt_tokens + max(1, max_tokens),
-                                   self.kv_capacity)
+                                   self.kv_capacity, state.kv_share)
         return self.timer.duration(batch, batch, 0.0, kv)
 
 
