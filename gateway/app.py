@@ -128,6 +128,7 @@ def create_app(cfg: GatewayConfig, guard: Any = None) -> FastAPI:
             m.inst_healthy.labels(inst["id"], inst["role"]).set(1 if cluster.healthy.get(inst["id"]) else 0)
             m.inst_prefill_tokens.labels(inst["id"]).set(inst["reserved_prefill_tokens"])
             m.inst_active.labels(inst["id"]).set(inst["active_requests"])
+            m.inst_kv_share.labels(inst["id"]).set(inst["kv_share"])
         return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/admin/cluster")

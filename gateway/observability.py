@@ -45,6 +45,9 @@ class GatewayMetrics:
         self.inst_healthy = Gauge("conductor_instance_healthy", "1 when routable", ["instance", "role"], registry=r)
         self.inst_prefill_tokens = Gauge("conductor_instance_reserved_prefill_tokens", "Queued prefill tokens (ledger)",
                                          ["instance"], registry=r)
+        self.inst_kv_share = Gauge("conductor_instance_kv_share", "Device KV per context token on a decode "
+                                   "instance, learned from its KV usage (1: no prefix shared)", ["instance"],
+                                   registry=r)
         self.inst_active = Gauge("conductor_instance_active_requests", "Requests reserved (ledger)", ["instance"],
                                  registry=r)
         self.inst_hit_tokens = Counter("conductor_instance_prefix_hit_tokens", "Prompt tokens served from cache",

@@ -304,7 +304,10 @@ class Proxy:
                 headers["x-conductor-prefill-cached-tokens"] = str(rec.cached_tokens)
             if req.stream:
                 done = functools.partial(self._stream_done, lc, d.decode, resp)
-                stream = UpstreamStream(resp, headers, done, idle_timeout_s=self.cfg.upstream_stall_timeout_s)
+                # the first token tells the ledger the decode engine holds this request's KV (a
+                # whole response shows it only at the end: the ledger's share learns from streams)
+                stream = UpstreamStream(resp, headers, done, idle_timeout_s=self.cfg.upstream_stall_timeout_s,
+                                        on_first=functools.partial(lc.scheduler.decode_started, lc.request_id))
                 self.cluster.track(d.decode, resp, stream.abort)
                 return guard.hand_off(stream)
             self.cluster.track(d.decode, resp, lambda _reason, r=resp: r.close())

@@ -28,10 +28,11 @@ PREFILL_CACHED = "x-conductor-prefill-cached-tokens"
 class StreamTally:
     """What the gateway measures of one response as it passes through."""
 
-    __slots__ = ("token_times", "usage", "error", "disconnected", "done")
+    __slots__ = ("token_times", "usage", "error", "disconnected", "done", "on_first")
 
-    def __init__(self) -> None:
+    def __init__(self, on_first: Callable[[], object] | None = None) -> None:
         self.token_times: list[float] = []
+        self.on_first = on_first  # called at the first token (the decode engine admitted the request)
         self.usage: dict[str, Any] | None = None
         self.error: str | None = None
         self.disconnected = False  # the client left before the stream's end
@@ -45,6 +46,8 @@ class StreamTally:
             self.error = "engine reported an error in the stream"
         n = len(_CONTENT.findall(events))
         if n:
+            if not self.token_times and self.on_first is not None:
+                self.on_first()
             self.token_times.extend([now] * n)
         if b'"usage":' not in events or _USAGE.search(events) is None:  # (most events: a byte search only)
             return False
@@ -89,11 +92,12 @@ class UpstreamStream(Response):
     ``x-conductor-prefill-cached-tokens`` header carries."""
 
     def __init__(self, resp: aiohttp.ClientResponse, headers: dict[str, str],
-                 on_done: Callable[[StreamTally], None], idle_timeout_s: float):
+                 on_done: Callable[[StreamTally], None], idle_timeout_s: float,
+                 on_first: Callable[[], object] | None = None):
         self.resp, self.extra_headers, self.on_done, self.idle_timeout_s = resp, headers, on_done, idle_timeout_s
         cached = headers.get(PREFILL_CACHED)
         self.prefill_cached_tokens = None if cached is None else int(cached)
-        self.tally = StreamTally()
+        self.tally = StreamTally(on_first)
         self.status_code, self.background = 200, None
         self.aborted: str | None = None
 

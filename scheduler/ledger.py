@@ -469,7 +469,7 @@ class Ledger:
     def instance_totals(self, instance_id: str) -> dict[str, float | int]:
         p = self._loads.get(instance_id) or _Load(PrefillState(instance_id))
         return {"reserved_prefill_tokens": p.queued_tokens, "reserved_prefill_s": p.queued_s,
-                "active_requests": p.active, "running": p.running, "kv_tokens": p.kv_tokens}
+                "active_requests": p.active, "running": p.running, "kv_tokens": p.kv_tokens, "kv_share": p.kv_share}
 
     def totals(self) -> dict[str, float | int]:
         loads = self._loads.values()

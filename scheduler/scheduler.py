@@ -367,7 +367,7 @@ class Scheduler:
                          "healthy": self._healthy[iid],
                          "reserved_prefill_tokens": t["reserved_prefill_tokens"],
                          "reserved_prefill_s": t["reserved_prefill_s"], "active_requests": t["active_requests"],
-                         "running": t["running"], "kv_tokens": t["kv_tokens"],
+                         "running": t["running"], "kv_tokens": t["kv_tokens"], "kv_share": t["kv_share"],
                          "cached_blocks": self.index.cached_blocks(iid)})
         totals: dict[str, Any] = dict(self.ledger.totals())  # JSON for /debug: numbers and nested dicts
         totals.update(instances=len(self._instances), healthy=sum(self._healthy.values()),

@@ -62,6 +62,19 @@ def test_tally_counts_content_chunks_not_role_chunks():
     assert t.usage["completion_tokens"] == 2
 
 
+def test_tally_tells_the_first_token_once_not_the_role_chunk():
+    """The first content chunk tells the ledger the decode engine admitted the request (its
+    ``kv_share`` learns from those); the role chunk an engine sends before any token does not."""
+    seen: list[int] = []
+    t = StreamTally(on_first=lambda: seen.append(len(t.token_times)))
+    t.scan_events(b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n', 1.0)
+    assert seen == []
+    tok = b'data: {"choices":[{"delta":{"content":"ab"}}]}\n\n'
+    t.scan_events(tok + tok, 2.0)
+    t.scan_events(tok, 3.0)
+    assert seen == [0]  # once, before its tokens were counted
+
+
 def test_nulls_mean_defaults_and_max_completion_tokens_wins():
     req = parse_body(body(model="m", messages=[{"role": "user", "content": "x"}], stream=None, n=None), "chat", 16)
     assert req.stream is False and req.max_tokens == 16
