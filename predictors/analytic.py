@@ -273,7 +273,7 @@ def resident_share(batch: int, kv_tokens: int, cap: int, kv_share: float = 1.0) 
     wait), so the step reads a full cache and carries the batch's share that fits. A full cache
     whose sequences share prefix blocks (``kv_share`` < 1) holds ``cap / kv_share`` tokens of
     context, and the step reads them all."""
-    if kv_share < 1.0:
+    if 0.0 < kv_share < 1.0:  # (a share of 0 or less means nothing: no sharing assumed)
         cap = int(cap / kv_share)
     if kv_tokens > cap:
         return max(1, int(batch * cap / kv_tokens)), cap
