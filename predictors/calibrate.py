@@ -23,7 +23,7 @@ import numpy as np
 from predictors.cli_args import CLIError, Parser
 from predictors.dataset import DataError, Dataset, build_dataset
 from predictors.fit import MIN_ROWS, Scored, fit_all, metrics_of, score
-from predictors.learned_models import LearnedModels
+from predictors.learned_models import TBT_KV_SHARE, LearnedModels
 from predictors.online_quantile import replay, tune_eta
 from predictors.telemetry import RequestRecord, read_jsonl
 
@@ -250,6 +250,8 @@ def calibrate(records: list[RequestRecord], out: str, *, holdout: str = "time", 
     final = LearnedModels(final.terms, {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                         "telemetry": telemetry or [], "records": len(records), "quantile": q,
                                         "deployments": sorted(ds.deployments), **final.meta,
+                                        # its TBT rows read a full cache at their recorded KV share (serve it so)
+                                        TBT_KV_SHARE: ds.kv_share_recorded,
                                         "online_quantile": {"eta": tracking["eta"]}},
                           final.ttft_p90_scale)
     os.makedirs(out, exist_ok=True)

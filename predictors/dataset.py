@@ -82,6 +82,7 @@ class TBTRow:
     max_tokens: int
     tbt_s: float
     cluster_running: float = 0.0  # the cluster's decode load at decision (0: not recorded)
+    kv_share: float = 1.0  # the decode instance's device KV per context token at decision
     # the run, and when the row's (first) request was decided and its outcome was known to the
     # gateway (its end: the predictors' observer sees a record when it finishes)
     run: str = ""
@@ -102,6 +103,7 @@ class HandoverRow:
     max_tokens: int
     handover_s: float
     cluster_running: float = 0.0
+    kv_share: float = 1.0
     # the run, and when the row's (first) request was decided and its outcome was known to the
     # gateway (its end: the predictors' observer sees a record when it finishes)
     run: str = ""
@@ -139,6 +141,7 @@ class Dataset:
     used: int
     skipped: dict[str, int]
     deployments: dict[str, Deployment]
+    kv_share_recorded: bool = False  # the records carry their decode instance's KV share
 
 
 def _deployment(name: str | None, default: str | None, cache: dict[str, Deployment], column: str) -> str:
@@ -292,8 +295,8 @@ def build_dataset(records: Iterable[RequestRecord], default_deployment: str | No
         mt = r.max_tokens or r.output_tokens
         if len(r.token_times) > MIN_TBT_INTERVALS:
             tbt.append(TBTRow(pos(r), ddep, r.decode_instance, r.decode_running, r.decode_kv_tokens,
-                              r.prompt_tokens, mt, r.tbt_s, r.decode_cluster_running or 0.0, run_of(r),
-                              r.decided_s, known_at(r)))
+                              r.prompt_tokens, mt, r.tbt_s, r.decode_cluster_running or 0.0, r.decode_kv_share or 1.0,
+                              run_of(r), r.decided_s, known_at(r)))
         else:
             skip("too few tokens for a TBT")
         if r.prefill_instance == r.decode_instance:
@@ -305,8 +308,10 @@ def build_dataset(records: Iterable[RequestRecord], default_deployment: str | No
         pdep = _deployment(r.prefill_deployment, default_deployment, deployments, "prefill_deployment")
         handover.append(HandoverRow(pos(r), r.prefill_instance, r.decode_instance, pdep, ddep, r.prompt_tokens,
                                     r.decode_running, r.decode_kv_tokens, mt, r.first_token_s - r.prefill_end_s,
-                                    r.decode_cluster_running or 0.0, run_of(r), r.decided_s, known_at(r)))
-    return Dataset(prefill, tbt, handover, queue, len(recs), len(placed), skipped, deployments)
+                                    r.decode_cluster_running or 0.0, r.decode_kv_share or 1.0, run_of(r), r.decided_s,
+                                    known_at(r)))
+    return Dataset(prefill, tbt, handover, queue, len(recs), len(placed), skipped, deployments,
+                   any(r.decode_kv_share is not None for r in placed))
 
 
 def reconstructed_queue(row: QueueRow, prefill: Callable[[RequestRecord], float]) -> float:

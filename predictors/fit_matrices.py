@@ -46,8 +46,8 @@ class Physics:
         return x
 
     def tbt_x(self, dep: str, running: int, kv: int, prompt: int, max_tokens: int,
-              cluster: float = 0.0) -> list[float]:
-        return tbt_features(self.unit[dep], self.ts(dep), running, kv, prompt, max_tokens, cluster)
+              cluster: float = 0.0, kv_share: float = 1.0) -> list[float]:
+        return tbt_features(self.unit[dep], self.ts(dep), running, kv, prompt, max_tokens, cluster, kv_share)
 
     def transfer_x(self, src: str, dst: str, tokens: int) -> list[float]:
         bw = min(self.d[src].net_bytes_per_s, self.d[dst].net_bytes_per_s)
@@ -65,8 +65,9 @@ class Physics:
     def analytic_prefill(self, dep: str, items: Sequence[tuple[int, int]]) -> float:
         return sum(roofline_prefill_s(self.prior_roofline[dep], p, c) for p, c in items)
 
-    def analytic_tbt(self, dep: str, running: int, kv: int, prompt: int, max_tokens: int) -> float:
-        return reserved_decode_step_s(self.prior_roofline[dep], running + 1, kv + prompt + max(1, max_tokens))
+    def analytic_tbt(self, dep: str, running: int, kv: int, prompt: int, max_tokens: int,
+                     kv_share: float = 1.0) -> float:
+        return reserved_decode_step_s(self.prior_roofline[dep], running + 1, kv + prompt + max(1, max_tokens), kv_share)
 
     def analytic_transfer(self, src: str, dst: str, tokens: int) -> float:
         s, d = self.prior_roofline[src], self.prior_roofline[dst]
@@ -102,7 +103,7 @@ def prefill_matrix(ph: Physics, rows: Sequence[PrefillRow]) -> Fitted:
 
 def tbt_matrix(ph: Physics, rows: Sequence[TBTRow]) -> Fitted:
     return Fitted(np.array([ph.tbt_x(r.deployment, r.running, r.kv_tokens, r.prompt_tokens, r.max_tokens,
-                                     r.cluster_running) for r in rows]).reshape(-1, len(FEATURES["tbt"])),
+                                     r.cluster_running, r.kv_share) for r in rows]).reshape(-1, len(FEATURES["tbt"])),
                   np.array([r.tbt_s for r in rows]), [group_of(r.deployment) for r in rows],
                   np.array([r.t for r in rows]))
 
@@ -130,6 +131,6 @@ def raw_upper(models: TermModels, group: str, x: Sequence[float]) -> float:
 def first_step(models: LearnedModels, ph: Physics, r: HandoverRow) -> float:
     tm = models.terms.get("tbt")
     if tm is None:
-        return ph.analytic_tbt(r.dst_deployment, r.running, r.kv_tokens, r.tokens, r.max_tokens)
+        return ph.analytic_tbt(r.dst_deployment, r.running, r.kv_tokens, r.tokens, r.max_tokens, r.kv_share)
     return predict(tm, r.dst_deployment, ph.tbt_x(r.dst_deployment, r.running, r.kv_tokens, r.tokens, r.max_tokens,
-                                                  r.cluster_running))[0]
+                                                  r.cluster_running, r.kv_share))[0]

@@ -86,10 +86,12 @@ def score(models: LearnedModels, ds: Dataset, keep: Callable[[Any], bool], ttft:
         for b in ds.tbt:
             if keep(b):
                 meta.append((b.run, b.decided_s, b.known_s, group_of(b.deployment)))
-                x = ph.tbt_x(b.deployment, b.running, b.kv_tokens, b.prompt_tokens, b.max_tokens, b.cluster_running)
+                x = ph.tbt_x(b.deployment, b.running, b.kv_tokens, b.prompt_tokens, b.max_tokens, b.cluster_running,
+                             b.kv_share)
                 p, p9 = predict(tm, b.deployment, x)
                 rows.append((b.t, b.tbt_s, p, p9, ph.analytic_tbt(b.deployment, b.running, b.kv_tokens,
-                                                                  b.prompt_tokens, b.max_tokens), b.prompt_tokens,
+                                                                  b.prompt_tokens, b.max_tokens, b.kv_share),
+                             b.prompt_tokens,
                              raw_upper(tm, b.deployment, x)))
         out["tbt"] = pack(rows, meta)
     tm = models.terms.get("transfer")
@@ -162,7 +164,7 @@ def _ttft_rows(models: LearnedModels, ph: Physics, ds: Dataset,
         dst = r.decode_deployment or src
         mt = r.max_tokens or r.output_tokens
         step_l = predict(tm, dst, ph.tbt_x(dst, r.decode_running, r.decode_kv_tokens, r.prompt_tokens, mt,
-                                           r.decode_cluster_running or 0.0))[0]
+                                           r.decode_cluster_running or 0.0, r.decode_kv_share or 1.0))[0]
         kv_l, kv_l9 = predict(xm, dst, ph.transfer_x(src, dst, r.prompt_tokens))
         pre_l, pre_l9 = predict(pm, src, ph.prefill_x(src, [(r.prompt_tokens, r.hit_tokens)]))
         queue_l = reconstructed_queue(q, learned_prefill)
@@ -170,7 +172,8 @@ def _ttft_rows(models: LearnedModels, ph: Physics, ds: Dataset,
         learned9 = (queue_l + pre_l9 + kv_l9 + step_l) * models.ttft_p90_scale
         analytic = (reconstructed_queue(q, analytic_prefill) + analytic_prefill(r)
                     + ph.analytic_transfer(src, dst, r.prompt_tokens)
-                    + ph.analytic_tbt(dst, r.decode_running, r.decode_kv_tokens, r.prompt_tokens, mt))
+                    + ph.analytic_tbt(dst, r.decode_running, r.decode_kv_tokens, r.prompt_tokens, mt,
+                                      r.decode_kv_share or 1.0))
         rows.append((q.t, q.ttft_s, learned, learned9, analytic, r.prompt_tokens))
     return rows
 

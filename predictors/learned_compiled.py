@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from predictors.analytic import Roofline
 from predictors.learned_features import CTX_SCALE, load_features
-from predictors.learned_models import LearnedModels, TermModel
+from predictors.learned_models import TBT_KV_SHARE, LearnedModels, TermModel
 from predictors.types import Tier
 
 
@@ -27,6 +27,7 @@ class CompiledTerms:
     store: tuple[float, float, float, float] | None  # latency, s per token (fitted, at peak), per s of link wait
     host: tuple[float, float] | None  # latency, seconds per token loaded from the host tier
     kv_capacity_tokens: int  # the TBT features' capacity (the deployment's public estimate)
+    tbt_kv_share: bool  # the TBT was fitted at its rows' KV share: serve it at the instance's
 
 
 def compile_terms(models: LearnedModels, key: int, r: Roofline, ts: float, group: str,
@@ -59,4 +60,4 @@ def compile_terms(models: LearnedModels, key: int, r: Roofline, ts: float, group
                                 t.coef[2] * 2.0 * r.params / r.flops_per_s, t.coef[3] * weights,
                                 t.coef[4] * 2.0 * r.params / r.flops_per_s),
         None if x is None else (x.coef[0] * ts, x.coef[1] * r.kv_bytes_per_token),
-        store(), load("host", Tier.HOST), r.kv_capacity_tokens)
+        store(), load("host", Tier.HOST), r.kv_capacity_tokens, models.meta.get(TBT_KV_SHARE) is True)

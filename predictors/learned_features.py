@@ -79,7 +79,7 @@ def slowest_share(gaps: int) -> float:
 
 
 def tbt_features(r: Roofline, time_scale: float, running: int, kv_tokens: int, prompt_tokens: int,
-                 max_tokens: int, cluster_running: float = 0.0) -> list[float]:
+                 max_tokens: int, cluster_running: float = 0.0, kv_share: float = 1.0) -> list[float]:
     """A decode step once this request joins, at peak rates: the weight read (what every step
     costs: overhead, launch, weights), the KV read (at the request's largest, as the analytic
     TBT) and the batch's linear FLOPs (what each sequence adds: FLOPs, sampling, bookkeeping);
@@ -88,9 +88,10 @@ def tbt_features(r: Roofline, time_scale: float, running: int, kv_tokens: int, p
     per-sequence FLOPs times the cluster's decode load (reservations per decode instance, which
     the scheduler spreads over the instances: the batch this one drifts to after placement).
     The batch and KV are what runs of the reservations (:func:`~predictors.analytic.resident_share`
-    at the deployment's public capacity estimate): past it, the excess waits for room."""
+    at the deployment's public capacity estimate, holding 1 / ``kv_share`` of it in context where
+    the sequences share prefix blocks): past it, the excess waits for room."""
     batch, kv = resident_share(max(0, running) + 1, max(0, kv_tokens) + max(0, prompt_tokens) + max(1, max_tokens),
-                               r.kv_capacity_tokens)
+                               r.kv_capacity_tokens, kv_share)
     weights, per_seq = r.weight_bytes / r.mem_bytes_per_s, 2.0 * r.params / r.flops_per_s
     return [weights, kv * r.kv_bytes_per_token / r.mem_bytes_per_s, per_seq * batch,
             weights * slowest_share(max(1, max_tokens) - 1), per_seq * max(0.0, cluster_running)]

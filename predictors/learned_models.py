@@ -19,6 +19,12 @@ VERSION = 1
 MODELS_FILE = "models.json"
 
 
+#: ``meta`` key: the TBT rows recorded their decode instance's KV share (telemetry since
+#: 2026-12-03), so the fit read a full cache at it; a file without it was fitted as if every
+#: share were 1, and its TBT is served so (the live share would count the sharing twice).
+TBT_KV_SHARE = "tbt_kv_share"
+
+
 class ModelError(ValueError):
     """A model file that cannot be served (one-line message naming what is wrong)."""
 

@@ -89,7 +89,8 @@ def track(b: LearnedBundle, rec: RequestRecord, p: str | None, d: str | None, lo
     if d is not None:
         _, rd, tsd, _ = b._physics(d)
         x = tbt_features(rd, tsd, rec.decode_running, rec.decode_kv_tokens, rec.prompt_tokens, mt,
-                         rec.decode_cluster_running or 0.0)
+                         rec.decode_cluster_running or 0.0,
+                         (rec.decode_kv_share or 1.0) if b._compiled(d).tbt_kv_share else 1.0)
         up = b._upper("tbt", d, x)
         m = b.model("tbt", d)[0]
         step = None if m is None else m.predict(x)
@@ -145,7 +146,7 @@ def observe(b: LearnedBundle, rec: RequestRecord) -> None:
                                         correct=False)
     # TBT: the request's own token gaps against the state it was placed in
     if d is not None and len(rec.token_times) > MIN_TBT_INTERVALS:
-        state = DecodeState(d, rec.decode_running, rec.decode_kv_tokens)
+        state = DecodeState(d, rec.decode_running, rec.decode_kv_tokens, rec.decode_kv_share or 1.0)
         base = b.tbt_base(state, rec.prompt_tokens, rec.max_tokens or rec.output_tokens,
                           rec.decode_cluster_running or 0.0)
         if base is not None:
@@ -153,7 +154,7 @@ def observe(b: LearnedBundle, rec: RequestRecord) -> None:
     # the prefill -> decode KV shipment: the hand-over gap minus the first decode step
     if (p is not None and d is not None and p != d and not rec.predicted_decode_wait_s
             and rec.prefill_end_s is not None and rec.first_token_s is not None):
-        state = DecodeState(d, rec.decode_running, rec.decode_kv_tokens)
+        state = DecodeState(d, rec.decode_running, rec.decode_kv_tokens, rec.decode_kv_share or 1.0)
         step = b._tbt(state, rec.prompt_tokens, rec.max_tokens or rec.output_tokens,
                       rec.decode_cluster_running or 0.0)
         base = b.transfer_base(rec.prompt_tokens, p, d)

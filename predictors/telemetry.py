@@ -61,6 +61,10 @@ class RequestRecord:
     # the whole cluster's decode load at decision: the ledger's reservations (decoding or about to)
     # per eligible decode instance (what the batch this request joins tends to); None: not recorded
     decode_cluster_running: float | None = None
+    # the decode instance's device KV per context token at decision (DecodeState.kv_share: below 1
+    # when its sequences share prefix blocks; what a full cache's TBT features need). None: not
+    # recorded (telemetry from before 2026-12-03)
+    decode_kv_share: float | None = None
     predicted_queue_s: float | None = None
     predicted_prefill_s: float | None = None
     predicted_transfer_s: float | None = None

@@ -132,7 +132,7 @@ class RequestLifecycle:
         rec.decode_running, rec.decode_kv_tokens = d.decode_running, d.decode_kv_tokens
         rec.store_write_recent_bytes, rec.store_busy_s = d.store_write_recent_bytes, d.store_busy_s
         rec.store_loads_inflight = d.store_loads_inflight
-        rec.decode_cluster_running = d.decode_cluster_running
+        rec.decode_cluster_running, rec.decode_kv_share = d.decode_cluster_running, d.decode_kv_share
         rec.predicted_queue_s, rec.predicted_prefill_s = d.queue_s, d.prefill_s
         rec.predicted_transfer_s, rec.predicted_ttft_s, rec.predicted_tbt_s = d.transfer_s, d.ttft_s, d.tbt_s
         rec.predicted_decode_wait_s, rec.predicted_kv_transfer_s = d.decode_wait_s, d.kv_transfer_s

@@ -283,6 +283,7 @@ def _commit(sched: Scheduler, ctx: DecisionContext, ch: Choice, commit: bool) ->
         transfer_s=terms.transfer_s, ttft_s=ch.ttft, tbt_s=d.tbt_s, queue_tokens=p.state.queued_tokens,
         queue_requests=p.state.queued_requests, decode_running=now_state.running,
         decode_kv_tokens=now_state.kv_tokens, decode_cluster_running=ctx.decode_load,
+        decode_kv_share=now_state.kv_share,
         explanation=ch.record, kv_transfer_s=ch.kv_s,
         decode_first_step_s=ch.first_step_s, decode_wait_s=ch.decode_wait_s,
         policy=sched.policy_name, host_tokens=terms.host_tokens)

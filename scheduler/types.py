@@ -104,6 +104,7 @@ class Placement:
     decode_running: int  # ledger state on the decode instance before this request
     decode_kv_tokens: int
     decode_cluster_running: float = 0.0  # the ledger's reservations per eligible decode instance
+    decode_kv_share: float = 1.0  # the decode instance's device KV per context token (DecodeState.kv_share)
     explanation: dict[str, Any] = field(default_factory=dict)
     kv_transfer_s: float = 0.0  # prefill -> decode KV shipment (0 on a "both" instance)
     decode_first_step_s: float = 0.0  # the decode instance's step making the first token (0 on "both")

@@ -1,6 +1,7 @@
 """Telemetry generated from known per-term weights (what calibration must recover)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from typing import Callable
@@ -19,15 +20,19 @@ TRUE = {"prefill": (1.6, 1.9, 2.2, 0.4), "tbt": (1.5, 1.4, 3.0, 0.6, 2.0), "tran
 def synth_records(n: int, seed: int = 0, noise: float = 0.0, max_prompt: int = 16_000,
                   prefill_truth: Callable[[int, int], float] | None = None,
                   deployment: str = DEPLOYMENT, store_share: float = 0.0,
-                  cluster_of: Callable[[float], float] | None = None) -> list[RequestRecord]:
+                  cluster_of: Callable[[float], float] | None = None, full_share: float = 0.0) -> list[RequestRecord]:
     """``n`` requests on one prefill and one decode instance, each finding the prefill instance
     idle; every term's time is its true weights times its features (or ``prefill_truth``), times
     lognormal noise of sigma ``noise``. A ``store_share`` of them load part of their cached prefix
     from the shared store first (its time, ``TRUE["store"]`` over the load features, inside the leg),
     half of those while the store's links were busy with write-through (``store_busy_s``).
-    ``cluster_of(i / n)``: the cluster's decode load of request i (default: uniform 0-40)."""
+    ``cluster_of(i / n)``: the cluster's decode load of request i (default: uniform 0-40).
+    ``full_share`` of them join a decode cache reserved past its capacity whose sequences share
+    prefix blocks (a ``decode_kv_share`` of 0.3-1): their step reads capacity / share of context,
+    computed here from a roofline of that capacity, not through the features' own share."""
     rng = random.Random(seed)
     load_rng = random.Random(~seed)  # its own stream: the other draws stay what they were
+    share_rng = random.Random(seed + 7919)
     d = load_deployment(deployment)
     r = physics(d)
     ts = d.time_scale
@@ -50,7 +55,11 @@ def synth_records(n: int, seed: int = 0, noise: float = 0.0, max_prompt: int = 1
             cluster = cluster_of(i / n)
         pre = (prefill_truth(prompt, cached) if prefill_truth else
                dot(TRUE["prefill"], prefill_features(r, ts, prompt, cached))) * jitter()
-        tbt = dot(TRUE["tbt"], tbt_features(r, ts, running, kv, prompt, max_tokens, cluster))
+        share = 1.0
+        if full_share and share_rng.random() < full_share:
+            share, kv = share_rng.uniform(0.3, 1.0), share_rng.randrange(r.kv_capacity_tokens, 4 * r.kv_capacity_tokens)
+        held = dataclasses.replace(r, kv_capacity_tokens=int(r.kv_capacity_tokens / share))
+        tbt = dot(TRUE["tbt"], tbt_features(held, ts, running, kv, prompt, max_tokens, cluster))
         stored = cached // 2 // 16 * 16 if cached and rng.random() < store_share else 0
         busy = rng.uniform(0.0, 0.3) * ts if stored and rng.random() < 0.5 else 0.0
         if stored:
@@ -60,7 +69,7 @@ def synth_records(n: int, seed: int = 0, noise: float = 0.0, max_prompt: int = 1
         rec = RequestRecord(f"r{i}", arrival_s=t, prompt_tokens=prompt, max_tokens=max_tokens, status="ok",
                             policy="conductor", decided_s=t, prefill_instance="p-1", decode_instance="d-1",
                             hit_tokens=cached, local_hit_tokens=cached, decode_running=running, decode_kv_tokens=kv,
-                            decode_cluster_running=cluster,
+                            decode_cluster_running=cluster, decode_kv_share=share,
                             predicted_decode_wait_s=0.0, prefill_deployment=deployment, decode_deployment=deployment,
                             sent_s=t, prefill_start_s=t, prefill_end_s=t + pre, transfer_tokens=stored,
                             transfer_from=Tier.STORE if stored else None, store_busy_s=busy)

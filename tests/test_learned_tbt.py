@@ -1,6 +1,7 @@
 """The learned TBT's decision-time features (the slowest-10% statistic of the request's gaps, the
 cluster's decode load) from the scheduler to the record to the fit and back, and conformal
 calibration over contiguous stretches of time."""
+import dataclasses
 import json
 import math
 import os
@@ -15,6 +16,7 @@ from predictors.facts import load_deployment
 from predictors.fit import calibration_folds
 from predictors.learned import MODELS_FILE, learned_predictors, load_models
 from predictors.learned_features import TBT_FEATURES_V1, physics, slowest_share, tbt_features
+from predictors.learned_models import TBT_KV_SHARE
 from scheduler import Instance, Placement, RequestFacts, Scheduler
 from scheduler.hashing import block_hashes
 from tests.sched_helpers import Clock, toks
@@ -158,3 +160,68 @@ def test_blocked_conformal_covers_the_latest_rows_of_a_drifting_run(tmp_path):
     for term in ("prefill", "tbt", "handover", "ttft"):
         assert 0.86 <= h[term]["learned"]["p90_coverage"] <= 0.94, (term, h[term]["learned"])
     assert json.load(open(tmp_path / MODELS_FILE))["meta"]["p90_calibration"]["split"] == "blocked"
+
+
+def test_the_relative_median_is_the_best_non_negative_fit_not_a_clipped_unconstrained_one():
+    """Two nearly collinear features (the TBT's weight read and its spread term are, for long
+    decodes) whose exact unconstrained fit is w = (-1, 2): the median must be the best fit with
+    w >= 0, not that fit with its negative weight clipped to 0 (which predicted 3.7x the actual
+    TBT on a live synthetic slice's telemetry)."""
+    import numpy as np
+
+    from predictors.fit_weights import median_weights
+
+    t = np.linspace(0.0, 1.0, 41)
+    x = np.column_stack([np.ones_like(t), 1.0 + t])
+    y = 1.0 + 2.0 * t  # = -1 * x0 + 2 * x1
+
+    def rel_err(w):
+        return float(np.mean(np.abs(x @ w - y) / y))
+
+    w = median_weights(x, y, np.zeros_like(y))
+    assert (w >= 0).all()
+    clipped = np.array([0.0, 2.0])
+    assert rel_err(w) < 0.5 * rel_err(clipped)
+    grid = [np.array([a, b]) for a in np.linspace(0, 2, 41) for b in np.linspace(0, 2, 41)]
+    assert rel_err(w) <= min(rel_err(g) for g in grid) + 1e-9  # no non-negative point does better
+    # a non-negative truth is recovered exactly
+    y2 = 0.5 * x[:, 0] + 1.5 * x[:, 1]
+    assert median_weights(x, y2, np.zeros_like(y2)) == pytest.approx([0.5, 1.5], abs=1e-6)
+
+
+def test_the_share_recorded_at_decision_lets_calibration_fit_a_full_shared_cache_and_serving_use_it(tmp_path):
+    """Half the requests join a cache reserved past its capacity whose sequences share prefix
+    blocks (kv_share 0.3-1): their step reads capacity / share of context. With the share recorded
+    in the telemetry, calibration recovers the true TBT weights, and the served TBT reads a full
+    cache at the live share: slower the lower the share, as the truth is."""
+    recs = synth_records(400, seed=3, full_share=0.5)
+    assert sum(r.decode_kv_share < 1 for r in recs) > 150
+    calibrate(recs, str(tmp_path), draw=False)
+    got = load_models(str(tmp_path)).terms["tbt"].pooled.coef
+    assert got == pytest.approx(TRUE["tbt"], rel=1e-3)
+    d = load_deployment(DEPLOYMENT)
+    r = physics(d)
+    cap = r.kv_capacity_tokens
+    p = learned_predictors(str(tmp_path), online=False)
+    p.register("d-1", d, cap)
+    p.decode_load(0.0)  # type: ignore[misc]
+    served = []
+    for share in (1.0, 0.8, 0.5):
+        held = dataclasses.replace(r, kv_capacity_tokens=int(cap / share))
+        want = sum(w * x for w, x in zip(TRUE["tbt"], tbt_features(held, 1.0, 40, 3 * cap, 500, 300), strict=True))
+        state = DecodeState("d-1", 40, 3 * cap, share)
+        served.append(p.tbt.tbt(state, 500, 300))
+        assert served[-1] == pytest.approx(want, rel=1e-3)
+        assert p.tbt.tbt_many([state], 500, 300) == [served[-1]]  # type: ignore[attr-defined]
+    assert served[0] < served[1] < served[2]
+    # a file fitted before the share was recorded read every full cache at share 1: served so
+    raw = json.load(open(os.path.join(str(tmp_path), MODELS_FILE)))
+    assert raw["meta"][TBT_KV_SHARE] is True
+    del raw["meta"][TBT_KV_SHARE]
+    os.makedirs(tmp_path / "old")
+    with open(tmp_path / "old" / MODELS_FILE, "w") as f:
+        json.dump(raw, f)
+    old = learned_predictors(str(tmp_path / "old"), online=False)
+    old.register("d-1", d, cap)
+    old.decode_load(0.0)  # type: ignore[misc]
+    assert old.tbt.tbt(DecodeState("d-1", 40, 3 * cap, 0.5), 500, 300) == pytest.approx(served[0], rel=1e-9)

@@ -1,7 +1,7 @@
 """The learned TBT of all decode candidates in one call answers exactly what one call each does
 (the scheduler uses the batched form; the per-candidate form is what the record and admission
 ask): bit for bit, with and without the online correction, for instances with and without a
-model, whatever max_tokens and the cluster's load."""
+model, whatever max_tokens, the cluster's load and each instance's KV share."""
 import random
 from pathlib import Path
 
@@ -26,7 +26,8 @@ def test_tbt_many_equals_tbt_per_candidate(online):
         bundle.ewma["tbt"].factor[bundle._compiled(i).group_key] = 0.8 + rng.random() * 0.4
     for _ in range(200):
         p.decode_load(rng.choice([0.0, rng.random() * 40]))  # type: ignore[misc]
-        states = [DecodeState(i, rng.randrange(-1, 60), rng.randrange(-5, 2_000_000)) for i in rng.sample(ids, 9)]
+        states = [DecodeState(i, rng.randrange(-1, 60), rng.randrange(-5, 2_000_000),
+                              rng.choice([1.0, 0.0, rng.uniform(0.2, 1.0)])) for i in rng.sample(ids, 9)]
         prompt, max_tokens = rng.randrange(-1, 9000), rng.choice([0, 1, 2, rng.randrange(1, 2048)])
         many = bundle.tbt_many(states, prompt, max_tokens)
         assert many == [bundle.tbt(s, prompt, max_tokens) for s in states]

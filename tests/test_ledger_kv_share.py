@@ -124,5 +124,9 @@ def test_a_reservation_spans_the_step_of_whole_contexts_and_admission_sees_the_s
     true, whole = tbt.tbt(state, 2000, 100), tbt.tbt(state._replace(kv_share=1.0), 2000, 100)
     assert true > 1.2 * whole
     assert p.tbt_s == pytest.approx(true)
+    assert p.decode_kv_share == share  # recorded, for the learned TBT's calibration rows
+    rec = RequestRecord("later", clock.t)
+    assert isinstance(RequestLifecycle(sched, rec, clock).decide(_facts("later")), Placement)
+    assert rec.decode_kv_share == sched.ledger.decode_state("d", clock.t).kv_share < 0.4
     r = sched.ledger.get("new")
     assert r.decode_end_s - r.decode_start_s == pytest.approx(100 * whole)
