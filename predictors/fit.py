@@ -42,6 +42,21 @@ __all__ = ["MIN_ROWS", "P90", "Scored", "calibration_folds", "conformal_scale", 
 TBT_MEDIAN = True
 
 
+def _servable(m: TermModels | None, term: str, missing: dict[str, str]) -> TermModels | None:
+    """``m`` without the models whose point weights are all 0: they predict 0 s, and a model file
+    carrying one is refused by every reader. A zero group is left to the pooled model; a zero pool
+    leaves the term to the prior, with the reason in ``missing``. (A hand-over whose gaps the
+    learned first step already covers fits to 0.)"""
+    if m is None:
+        return None
+    if m.pooled is None or not any(m.pooled.coef):
+        missing[term] = (f"its {m.pooled.n if m.pooled else 0} rows fit to all-zero weights "
+                         "(the rest of the leg already explains them)")
+        return None
+    groups = {g: gm for g, gm in m.groups.items() if any(gm.coef)}
+    return m if len(groups) == len(m.groups) else TermModels(m.pooled, groups)
+
+
 def _fit_terms(ds: Dataset, keep: Callable[[float], bool], q: float, max_prompt: int | None, min_rows: int,
                quantiles: bool) -> tuple[LearnedModels, dict[str, str]]:
     ph = Physics(ds.deployments)
@@ -58,23 +73,23 @@ def _fit_terms(ds: Dataset, keep: Callable[[float], bool], q: float, max_prompt:
     m = fit_term(prefill_matrix(ph, pre), q, min_rows, quantiles=quantiles) if pre else None
     if m is None:
         missing["prefill"] = f"{len(pre)} prefill rows (need {min_rows})"
-    else:
+    elif (m := _servable(m, "prefill", missing)) is not None:
         terms["prefill"] = m
     tb = [r for r in ds.tbt if keep(r.t) and small(r.prompt_tokens)]
     m = fit_term(tbt_matrix(ph, tb), q, min_rows, quantiles=quantiles, median=TBT_MEDIAN) if tb else None
     if m is None:
         missing["tbt"] = f"{len(tb)} TBT rows (need {min_rows}, each with > 8 token gaps)"
-    else:
+    elif (m := _servable(m, "tbt", missing)) is not None:
         terms["tbt"] = m
     ho = [r for r in ds.handover if keep(r.t) and small(r.tokens)]
     if len(ho) >= min_rows:
         partial = LearnedModels(dict(terms))
         f = handover_matrix(ph, ho)
         steps = np.array([first_step(partial, ph, r) for r in ho])
-        m = fit_term(f, q, min_rows, offset=steps, quantiles=quantiles)
+        m = _servable(fit_term(f, q, min_rows, offset=steps, quantiles=quantiles), "transfer", missing)
         if m is not None:
             terms["transfer"] = m
-    if "transfer" not in terms:
+    if "transfer" not in terms and "transfer" not in missing:
         missing["transfer"] = f"{len(ho)} prefill->decode hand-over rows (need {min_rows})"
     # prefix loads: the leg of a lone prefill that loaded first, its learned prefill as the offset
     for term, tier, amount in LOADS:
@@ -83,11 +98,11 @@ def _fit_terms(ds: Dataset, keep: Callable[[float], bool], q: float, max_prompt:
         if len(rows) >= min_rows and "prefill" in terms:
             offset = np.array([predict(terms["prefill"], r.deployment, ph.prefill_x(r.deployment, r.items))[0]
                                for r in rows])
-            m = fit_term(load_matrix(ph, rows, term, tier, amount), q, min_rows, offset=offset, quantiles=quantiles,
-                         median=True)
-        if m is None:
+            m = _servable(fit_term(load_matrix(ph, rows, term, tier, amount), q, min_rows, offset=offset,
+                                   quantiles=quantiles, median=True), term, missing)
+        if m is None and term not in missing:
             missing[term] = f"{len(rows)} lone prefills loading a prefix from the {tier} (need {min_rows})"
-        else:
+        elif m is not None:
             terms[term] = m
     return LearnedModels(terms), missing
 

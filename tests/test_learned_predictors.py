@@ -564,3 +564,16 @@ def test_a_store_load_is_not_corrected_online_only_its_live_error_is_tracked(tmp
     assert b.ewma["store"].count[key] == 2 and b.ewma["store"].abs_err[key] > 0
     assert b.ewma["store"].get(key) == 1.0
     assert p.transfer.transfer_time(tokens, Tier.STORE, "p-1") == served
+
+
+def test_a_term_fitted_to_all_zero_weights_is_left_to_the_prior_and_the_file_still_loads(tmp_path):
+    """Hand-over gaps shorter than the learned first decode step leave the shipment nothing to
+    explain: its fit is all zeros, which predicts 0 s and which every reader of a model file refuses.
+    Calibration must leave that term to the prior (saying why) and write a file that serves."""
+    recs = synth_records(300, seed=2)
+    for r in recs:
+        r.first_token_s = r.prefill_end_s + 1e-4
+    m = calibrate(recs, str(tmp_path), draw=False)
+    assert "transfer" in m["missing"] and "all-zero weights" in m["missing"]["transfer"]
+    models = load_models(str(tmp_path))
+    assert "transfer" not in models.terms and {"prefill", "tbt"} <= set(models.terms)
