@@ -108,7 +108,8 @@ def report_md(metrics: dict[str, Any]) -> str:
         lines.append(f"- **{term}**: not fitted ({why}); the analytic prior answers it")
     lines += ["", "prefill rows are scored on lone prefills only (the instance idle, nobody joining); handover is the "
               "KV shipment plus the first decode step; TTFT rebuilds each request's queue from the requests ahead of "
-              "it, with each predictor's own prefill times.", ""]
+              "it, with each predictor's own prefill times, and adds the decode wait its decision predicted (the "
+              "same for both).", ""]
     return "\n".join(lines)
 
 

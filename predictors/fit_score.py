@@ -135,8 +135,10 @@ def score(models: LearnedModels, ds: Dataset, keep: Callable[[Any], bool], ttft:
 def _ttft_rows(models: LearnedModels, ph: Physics, ds: Dataset,
                keep: Callable[[Any], bool]) -> list[tuple[float, ...]]:
     """TTFT = Mooncake queue + prefill + hand-over, each from the learned terms (queue rebuilt from
-    the requests ahead as the ledger held them) or from the analytic prior; its upper quantile is
-    the queue plus the terms' upper quantiles, times the models' conformal ``ttft_p90_scale``."""
+    the requests ahead as the ledger held them) or from the analytic prior, plus the decode wait
+    the decision predicted (the ledger's, recorded: the same for both; on a decode-bound cluster it
+    is most of the TTFT, and neither predictor's terms hold it); its upper quantile is the queue,
+    the wait and the terms' upper quantiles, times the models' conformal ``ttft_p90_scale``."""
     pm, tm, xm = models.terms["prefill"], models.terms["tbt"], models.terms["transfer"]
     memo_l: dict[str, float] = {}
     memo_a: dict[str, float] = {}
@@ -168,9 +170,10 @@ def _ttft_rows(models: LearnedModels, ph: Physics, ds: Dataset,
         kv_l, kv_l9 = predict(xm, dst, ph.transfer_x(src, dst, r.prompt_tokens))
         pre_l, pre_l9 = predict(pm, src, ph.prefill_x(src, [(r.prompt_tokens, r.hit_tokens)]))
         queue_l = reconstructed_queue(q, learned_prefill)
-        learned = queue_l + pre_l + kv_l + step_l
-        learned9 = (queue_l + pre_l9 + kv_l9 + step_l) * models.ttft_p90_scale
-        analytic = (reconstructed_queue(q, analytic_prefill) + analytic_prefill(r)
+        wait = r.predicted_decode_wait_s or 0.0
+        learned = queue_l + pre_l + kv_l + step_l + wait
+        learned9 = (queue_l + pre_l9 + kv_l9 + step_l + wait) * models.ttft_p90_scale
+        analytic = (reconstructed_queue(q, analytic_prefill) + analytic_prefill(r) + wait
                     + ph.analytic_transfer(src, dst, r.prompt_tokens)
                     + ph.analytic_tbt(dst, r.decode_running, r.decode_kv_tokens, r.prompt_tokens, mt,
                                       r.decode_kv_share or 1.0))

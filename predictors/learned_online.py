@@ -104,8 +104,8 @@ def track(b: LearnedBundle, rec: RequestRecord, p: str | None, d: str | None, lo
                 b.quantiles["handover"].update(b._compiled(d).group_key,
                                                rec.first_token_s - rec.prefill_end_s, ship + step, t0, now)
     if pre is not None and ship is not None and step is not None and rec.ttft_s:
-        queue = rec.predicted_queue_s or 0.0
-        b.quantiles["ttft"].update("all", rec.ttft_s, (queue + pre + ship + step) * b.models.ttft_p90_scale,
+        queue, wait = rec.predicted_queue_s or 0.0, rec.predicted_decode_wait_s or 0.0
+        b.quantiles["ttft"].update("all", rec.ttft_s, (queue + pre + ship + step + wait) * b.models.ttft_p90_scale,
                                    t0, now)
 
 

@@ -577,3 +577,19 @@ def test_a_term_fitted_to_all_zero_weights_is_left_to_the_prior_and_the_file_sti
     assert "transfer" in m["missing"] and "all-zero weights" in m["missing"]["transfer"]
     models = load_models(str(tmp_path))
     assert "transfer" not in models.terms and {"prefill", "tbt"} <= set(models.terms)
+
+
+def test_the_rebuilt_ttft_holds_the_decode_wait_the_decision_predicted(tmp_path):
+    """A third of the requests waited 2 s for room on their decode instance, and their decisions
+    predicted it: the held-out TTFT (rebuilt from the terms) must count that wait for both the
+    learned terms and the prior, or on a decode-bound cluster it scores a TTFT neither predicts."""
+    recs = synth_records(300, seed=5)
+    for r in recs[::3]:
+        r.predicted_decode_wait_s = 2.0
+        r.first_token_s += 2.0
+        r.token_times = [t + 2.0 for t in r.token_times]
+        r.end_s += 2.0
+    m = calibrate(recs, str(tmp_path), draw=False)
+    ttft = m["holdout_metrics"]["ttft"]
+    assert ttft["learned"]["mape"] < 0.02 and ttft["analytic"]["mape"] < 0.5
+    assert load_models(str(tmp_path)).ttft_p90_scale < 1.2
