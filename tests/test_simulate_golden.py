@@ -33,7 +33,7 @@ GOLDEN = Path(__file__).parent / "data" / "simulate_golden.json"
 ADDED_SINCE = frozenset({"predicted_decode_wait_s", "predicted_kv_transfer_s", "predicted_first_step_s",
                          "prefill_deployment", "decode_deployment", "transfer_from", "host_load_tokens",
                          "store_write_recent_bytes", "store_busy_s", "store_loads_inflight",
-                         "decode_cluster_running"})
+                         "decode_cluster_running", "decode_kv_share"})
 
 
 def _trace(n: int, speedup: float = 1.0):
