@@ -225,3 +225,30 @@ def test_the_share_recorded_at_decision_lets_calibration_fit_a_full_shared_cache
     old.register("d-1", d, cap)
     old.decode_load(0.0)  # type: ignore[misc]
     assert old.tbt.tbt(DecodeState("d-1", 40, 3 * cap, 0.5), 500, 300) == pytest.approx(served[0], rel=1e-9)
+
+
+def test_the_median_of_many_rows_is_fitted_on_a_seeded_sample(monkeypatch):
+    """Past MEDIAN_ROWS the median is fitted on a seeded random sample (its LP grows faster than
+    the rows): the same answer every time, a non-negative truth still recovered, offsets kept
+    with their rows."""
+    import numpy as np
+
+    from predictors import fit_weights
+
+    monkeypatch.setattr(fit_weights, "MEDIAN_ROWS", 50)
+    rows: list[int] = []
+    real = fit_weights.linprog
+
+    def counted(c, A_eq, **kw):  # noqa: N803 (scipy's name)
+        rows.append(A_eq.shape[0])
+        return real(c, A_eq=A_eq, **kw)
+
+    monkeypatch.setattr(fit_weights, "linprog", counted)
+    rng = np.random.default_rng(1)
+    x = rng.uniform(0.1, 1.0, (500, 3))
+    offset = rng.uniform(0.0, 0.5, 500)
+    y = x @ np.array([0.5, 0.0, 2.0]) + offset
+    w = fit_weights.median_weights(x, y, offset)
+    assert w == pytest.approx([0.5, 0.0, 2.0], abs=1e-6)
+    assert (fit_weights.median_weights(x, y, offset) == w).all()
+    assert rows == [50, 50]
