@@ -218,10 +218,8 @@ class LearnedBundle:
         kv = (state.kv_tokens if state.kv_tokens > 0 else 0) + (prompt_tokens if prompt_tokens > 0 else 0) + (
             max_tokens if max_tokens > 1 else 1)
         batch = (state.running if state.running > 0 else 0) + 1
-        s = state.kv_share
-        cap = int(c.kv_capacity_tokens / s) if c.tbt_kv_share and 0.0 < s < 1.0 else c.kv_capacity_tokens
-        if kv > cap:  # as tbt_features
-            batch, kv = resident_share(batch, kv, cap)
+        if kv > c.kv_capacity_tokens:  # as tbt_features (a shared cache holds more: resident_share)
+            batch, kv = resident_share(batch, kv, c.kv_capacity_tokens, state.kv_share if c.tbt_kv_share else 1.0)
         if max_tokens != self._share_of:  # every candidate of a decision asks with the same max_tokens
             self._share_of, self._share = max_tokens, slowest_share(max_tokens - 1 if max_tokens > 1 else 0)
         return (k[0] + k[1] * kv + k[2] * batch + k[3] * self._share
@@ -291,10 +289,9 @@ class LearnedBundle:
                 continue
             kv = (state.kv_tokens if state.kv_tokens > 0 else 0) + extra
             batch = (state.running if state.running > 0 else 0) + 1
-            s = state.kv_share
-            cap = int(c.kv_capacity_tokens / s) if c.tbt_kv_share and 0.0 < s < 1.0 else c.kv_capacity_tokens
-            if kv > cap:
-                batch, kv = resident_share(batch, kv, cap)
+            if kv > c.kv_capacity_tokens:
+                batch, kv = resident_share(batch, kv, c.kv_capacity_tokens,
+                                           state.kv_share if c.tbt_kv_share else 1.0)
             t = k[0] + k[1] * kv + k[2] * batch + k[3] * share + k[4] * cluster
             out.append(t if factor is None else t * factor(c.group_key, 1.0))
         return out
