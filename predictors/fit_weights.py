@@ -3,8 +3,9 @@
 A term's point is non-negative least squares on *relative* error (rows weighted by 1/actual^2, as
 DistServe does: plain least squares on raw seconds lets the long requests decide everything), or
 a relative median; its upper quantile is a linear quantile regression over the same features
-(pinball loss relative to the actual), with a split-conformal factor kept as the fallback. Per
-deployment group when the group has enough rows, pooled over every group always.
+(pinball loss relative to the actual, weights non-negative like the point's), with a
+split-conformal factor kept as the fallback. Per deployment group when the group has enough rows,
+pooled over every group always.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.optimize import linprog  # type: ignore[import-untyped]
 from scipy.sparse import csr_matrix, hstack, identity  # type: ignore[import-untyped]
-from sklearn.linear_model import LinearRegression, QuantileRegressor  # type: ignore[import-untyped]
+from sklearn.linear_model import LinearRegression  # type: ignore[import-untyped]
 
 from predictors.learned_models import TermModel, TermModels
 
@@ -73,55 +74,59 @@ def conformal_factor(x: np.ndarray, y: np.ndarray, t: np.ndarray, q: float, offs
     return float(max(1.0, np.quantile(ratios, level)))
 
 
-#: Rows the quantile model is fitted on at most (a linear program: its time grows with them).
+#: Rows the quantile model is fitted on at most, a seeded random sample beyond.
 QUANTILE_ROWS = 3000
-
-
-def quantile_weights(x: np.ndarray, y: np.ndarray, scale: np.ndarray, q: float) -> tuple[float, ...] | None:
-    """Linear ``q``-quantile of ``y`` over the features, pinball loss relative to ``scale`` (so
-    short requests weigh as much as long ones); None when it cannot be fitted."""
-    if len(y) < 2 * x.shape[1]:
-        return None
-    idx = np.arange(len(y))
-    if len(idx) > QUANTILE_ROWS:
-        idx = np.random.default_rng(0).choice(idx, QUANTILE_ROWS, replace=False)
-    try:
-        reg = QuantileRegressor(quantile=q, alpha=0.0, fit_intercept=False, solver="highs")
-        reg.fit(x[idx], y[idx], sample_weight=1.0 / np.maximum(scale[idx], 1e-9))
-    except ValueError:
-        return None
-    # a feature no row has (telemetry from before it was recorded) gets no weight, whatever the solver left
-    coef = [float(c) if x[idx, j].any() else 0.0 for j, c in enumerate(reg.coef_)]
-    return tuple(coef) if all(np.isfinite(coef)) else None
-
-
 #: Rows the median is fitted on at most, a seeded random sample beyond: its linear program grows
 #: faster than linearly (16,687 TBT rows took 16 s a fit, and calibrate fits a term about eight
 #: times), while 4,000 of them gave the same held-out MAPE to 0.01 point (docs/predictors.md).
 MEDIAN_ROWS = 8000
 
 
+def _sample(n: int, cap: int) -> np.ndarray:
+    """All rows, or a seeded random ``cap`` of them (in order)."""
+    return np.arange(n) if n <= cap else np.sort(np.random.default_rng(0).choice(n, cap, replace=False))
+
+
+def pinball_weights(x: np.ndarray, y: np.ndarray, scale: np.ndarray, q: float) -> np.ndarray | None:
+    """Non-negative weights of the linear ``q``-quantile: the least pinball loss of y - x @ w, each
+    row's loss over ``scale``. The bound w >= 0 is in the linear program itself: clipping an
+    unconstrained fit's negative weights is no quantile when features are nearly collinear (the
+    TBT's weight read and its spread term, for long decodes, came out as -a and +b, and the clipped
+    median was 3.7x the actual). None when the program fails."""
+    n, k = x.shape
+    inv = 1.0 / np.maximum(scale, 1e-9)
+    # each row's residual split into the part above the fit (u, costing q) and below it (v, 1 - q)
+    a = hstack([csr_matrix(x), identity(n, format="csr"), -identity(n, format="csr")], format="csr")
+    cost = np.concatenate([np.zeros(k), q * inv, (1 - q) * inv])
+    res = linprog(cost, A_eq=a, b_eq=y, bounds=(0, None), method="highs")
+    if res.status != 0:
+        return None
+    out: np.ndarray = np.maximum(res.x[:k], 0.0)
+    return out
+
+
+def quantile_weights(x: np.ndarray, y: np.ndarray, scale: np.ndarray, q: float) -> tuple[float, ...] | None:
+    """The non-negative linear ``q``-quantile of ``y`` over the features, pinball loss relative to
+    ``scale`` (so short requests weigh as much as long ones); None when it cannot be fitted."""
+    if len(y) < 2 * x.shape[1]:
+        return None
+    idx = _sample(len(y), QUANTILE_ROWS)
+    w = pinball_weights(x[idx], y[idx], scale[idx], q)
+    if w is None:
+        return None
+    # a feature no row has (telemetry from before it was recorded) gets no weight, whatever the solver left
+    coef = [float(c) if x[idx, j].any() else 0.0 for j, c in enumerate(w)]
+    return tuple(coef) if all(np.isfinite(coef)) else None
+
+
 def median_weights(x: np.ndarray, y: np.ndarray, offset: np.ndarray) -> np.ndarray:
     """Non-negative weights minimising the absolute error relative to y (a relative median): for a
     term whose observations are heavy-tailed (a store load queued behind other transfers on a
     store node's link is 1.5x its roofline at the median, 4.5x at p75, 10x at p90), least squares
-    follows the tail; the median follows the typical load. The bound w >= 0 is in the linear
-    program itself: clipping an unconstrained fit's negative weights is no median when features
-    are nearly collinear (the TBT's weight read and its spread term, for long decodes, came out
-    as -a and +b with the clipped fit 3.7x the actual)."""
-    if len(y) > MEDIAN_ROWS:
-        idx = np.sort(np.random.default_rng(0).choice(len(y), MEDIAN_ROWS, replace=False))
-        x, y, offset = x[idx], y[idx], offset[idx]
-    n, k = x.shape
-    scale = 1.0 / np.maximum(y, 1e-9)
-    # w >= 0, and each row's residual split into its positive and negative parts u, v >= 0
-    a = hstack([csr_matrix(x), identity(n, format="csr"), -identity(n, format="csr")], format="csr")
-    cost = np.concatenate([np.zeros(k), scale, scale])
-    res = linprog(cost, A_eq=a, b_eq=y - offset, bounds=(0, None), method="highs")
-    if res.status != 0:
-        return np.zeros(k)
-    out: np.ndarray = np.maximum(res.x[:k], 0.0)
-    return out
+    follows the tail; the median follows the typical load. Zeros when the program fails."""
+    idx = _sample(len(y), MEDIAN_ROWS)
+    w = pinball_weights(x[idx], y[idx] - offset[idx], y[idx], 0.5)
+    return np.zeros(x.shape[1]) if w is None else w
 
 
 def fit_term(f: Fitted, q: float = P90, min_rows: int = MIN_ROWS, offset: np.ndarray | None = None,
