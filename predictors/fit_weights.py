@@ -75,9 +75,10 @@ def conformal_factor(x: np.ndarray, y: np.ndarray, t: np.ndarray, q: float, offs
 
 #: Rows the quantile model is fitted on at most, a seeded random sample beyond.
 QUANTILE_ROWS = 3000
-#: Rows the median is fitted on at most, a seeded random sample beyond: its primal linear program
-#: grew faster than linearly (16,687 TBT rows took 16 s a fit, and calibrate fits a term about eight
-#: times), while 4,000 of them gave the same held-out MAPE to 0.01 point (docs/predictors.md).
+#: Rows the median is fitted on at most, a seeded random sample beyond. Set when the program was
+#: solved in its primal form (16,687 TBT rows took 16 s a fit; 4,000 of them gave the same held-out
+#: MAPE to 0.01 point, docs/predictors.md); the dual is 25x faster, and the cap stays so that the
+#: documented fits do.
 MEDIAN_ROWS = 8000
 
 
