@@ -4,6 +4,11 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+# the suite runs on this many worker processes (pytest-xdist), a test file's tests on one worker so a
+# module's fixtures start once; most end-to-end tests wait on real-time engines, so 2 workers halve the
+# wall time on a 2-core machine. TEST_WORKERS=0 runs it in this process, serially.
+TEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 .PHONY: setup serve lint test test-fast bench
 
@@ -27,7 +32,7 @@ lint: setup
 	$(BIN)/mypy
 
 test: lint
-	$(BIN)/python -m pytest
+	$(PYTEST)
 
 test-fast: lint
-	$(BIN)/python -m pytest -m "not slow"
+	$(PYTEST) -m "not slow"
