@@ -14,7 +14,7 @@ import logging
 import struct
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Callable
 from urllib.parse import urlsplit
 
 import zmq
@@ -30,6 +30,7 @@ from engines_adapters.kv_wire import (
     int_hashes,
     publisher_binds,
 )
+from scheduler.state import KVEventSink
 
 log = logging.getLogger(__name__)
 _END_SEQ = -1
@@ -41,20 +42,7 @@ def _wake(fut: asyncio.Future) -> None:
         fut.set_result(None)
 
 
-class HitIndexSink(Protocol):
-    """What the subscriber feeds: the scheduler's hit index has exactly these methods."""
-
-    def block_stored(self, instance_id: str, block_hashes: list[int], parent_block_hash: int | None,
-                     token_ids: list[int], block_size: int, medium: str | None = "GPU", *,
-                     extra_keys: list[Any] | None = None, lora_name: str | None = None,
-                     group_idx: int | None = None) -> bool: ...
-    def block_removed(self, instance_id: str, block_hashes: list[int], medium: str | None = "GPU", *,
-                      group_idx: int | None = None) -> bool: ...
-    def all_cleared(self, instance_id: str) -> None: ...
-    def drop_instance(self, instance_id: str) -> None: ...
-
-
-def apply_events(sink: HitIndexSink, instance_id: str, events: list) -> int:
+def apply_events(sink: KVEventSink, instance_id: str, events: list) -> int:
     """Apply one batch of decoded KV events to the hit index; returns how many it ignored (a run
     of removals counts once). The live subscriber and the virtual-time simulator both feed the
     index through here. vLLM sends one BlockRemoved per evicted block: consecutive ones of the
@@ -114,7 +102,7 @@ class SubscriberStats:
 
 
 class KVEventSubscriber:
-    def __init__(self, ctx: zmq.asyncio.Context, instance_id: str, endpoint: str, sink: HitIndexSink, *,
+    def __init__(self, ctx: zmq.asyncio.Context, instance_id: str, endpoint: str, sink: KVEventSink, *,
                  engine_url: str = "http://127.0.0.1", replay_endpoint: str | None = None, topic: bytes = b"",
                  replay_timeout_s: float = 2.0, idle_probe_s: float = 1.0,
                  decode: Callable[[bytes], tuple[float, list[Event], int | None]] = decode_batch):

@@ -17,18 +17,10 @@ if TYPE_CHECKING:
     from scheduler.ledger import Reservation
 
 
-@runtime_checkable
-class PrefixIndex(Protocol):
-    """Which instance (and the shared store) holds which prefix block, fed by KV events."""
+class KVEventSink(Protocol):
+    """What the KV-event subscriber (engines_adapters/kv_events.py) and the simulator feed: the
+    prefix index's event side."""
 
-    overflows: int
-
-    def register(self, instance_id: str, max_blocks: int | None = None) -> bool: ...
-    def unregister(self, instance_id: str) -> bool: ...
-    def set_max_blocks(self, instance_id: str, max_blocks: int) -> bool: ...
-    def __contains__(self, instance_id: str) -> bool: ...
-
-    # KV events (the subscriber's side)
     def block_stored(self, instance_id: str, block_hashes: list[int], parent_block_hash: int | None,
                      token_ids: list[int], block_size: int, medium: str | None = "GPU", *,
                      extra_keys: list[Any] | None = None, lora_name: str | None = None,
@@ -37,6 +29,19 @@ class PrefixIndex(Protocol):
                       group_idx: int | None = None) -> bool: ...
     def all_cleared(self, instance_id: str) -> None: ...
     def drop_instance(self, instance_id: str) -> None: ...
+
+
+@runtime_checkable
+class PrefixIndex(KVEventSink, Protocol):
+    """Which instance (and the shared store) holds which prefix block, fed by KV events (the
+    event side: :class:`KVEventSink`)."""
+
+    overflows: int
+
+    def register(self, instance_id: str, max_blocks: int | None = None) -> bool: ...
+    def unregister(self, instance_id: str) -> bool: ...
+    def set_max_blocks(self, instance_id: str, max_blocks: int) -> bool: ...
+    def __contains__(self, instance_id: str) -> bool: ...
 
     # the decision's side
     def match(self, hashes: list[int], limit: int | None = None, store: bool = True) -> Match: ...
