@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from engines_adapters.drivers import Pair, PairRequest, driver_for  # noqa: E402
 from engines_adapters.engine_client import EngineClient  # noqa: E402
 from engines_adapters.net import free_port  # noqa: E402
+from gateway.embedded import stop_processes  # noqa: E402
 
 
 class _NoHooks:
@@ -169,13 +170,7 @@ async def main_async(a, flavor: str) -> dict:
                 "gateway_tokens_per_s": round(statistics.median(tps_g), 1),
                 "throughput_ratio": round(statistics.median(tps_g) / statistics.median(tps_d), 3)}
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(procs, 10.0)
 
 
 def main() -> None:

@@ -18,6 +18,7 @@ import requests
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from engines_adapters.net import free_port  # noqa: E402
+from gateway.embedded import stop_processes  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -106,13 +107,7 @@ def main(mode: str) -> dict:
         out["metrics"] = {k: requests.get(u + "/metrics", timeout=10).text for k, u in engines.items()}
         return out
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(procs, 10.0)
 
 
 def loopback_up() -> None:
