@@ -7,7 +7,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import aiohttp
 import zmq
@@ -22,7 +22,7 @@ from gateway.store_tier import StoreTier
 from predictors.analytic import analytic_predictors
 from predictors.base import Predictors
 from predictors.learned import learned_predictors
-from scheduler import Instance, Scheduler
+from scheduler import Instance, Role, Scheduler
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -33,10 +33,15 @@ def build_scheduler(cfg: GatewayConfig, engines: list[EngineConfig]) -> Schedule
     """The scheduler for these engines, predicting from their public deployments and the
     configured prior; a bad policy, parameter or deployment raises ValueError."""
     params = dict(cfg.policy_params)
+    if "late_rejection" in params:  # a refusal after the prefill, which no driver acts on
+        raise ValueError("late_rejection is an experiment of `conductor simulate` (--late-rejection): the gateway's "
+                         "drivers open the decode leg once the prefill is done")
     if cfg.policy.startswith("conductor"):
         params.setdefault("peer_pull", cfg.peer_kv_pull)
-    instances = [Instance(e.id, e.role, deployment=e.deployment, healthy=False, kv_capacity_tokens=e.kv_capacity_tokens,
-                          max_model_len=e.max_model_len, protocol=e.flavor) for e in engines]
+    # the role's name: Instance parses it into a Role (a bad one's error names the instance)
+    instances = [Instance(e.id, cast(Role, e.role), deployment=e.deployment, healthy=False,
+                          kv_capacity_tokens=e.kv_capacity_tokens, max_model_len=e.max_model_len, protocol=e.flavor)
+                 for e in engines]
     return Scheduler(instances, policy=cfg.policy, slo=cfg.slo, block_size=cfg.block_size, clock=time.monotonic,
                      predictors=_predictors(cfg), early_rejection=cfg.early_rejection,
                      admission=cfg.admission,

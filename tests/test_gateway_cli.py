@@ -29,6 +29,7 @@ def test_help_lists_every_command():
     ('policy = "round_robin"\n[policy_params]\nfoo = 1\n', "no parameter"),
     ('[policy_params]\ncost_eta = 0\n', "cost_eta must be a positive number"),
     ('[policy_params]\ncost_admission = "maybe"\n', "cost_admission must be true or false"),
+    ('[policy_params]\nlate_rejection = true\n', "late_rejection is an experiment of `conductor simulate`"),
     ('[[engines]]\nid = "a"\nrole = "both"\nurl = "http://127.0.0.1:1"\ndeployment = "gpt5"\n',
      "unknown deployment 'gpt5'; known: llama3-70b-a800x8, llama3-8b-h200"),
     ('[[engines]]\nid = "a"\nrole = "both"\nurl = "http://127.0.0.1:1"\nprofile = "gpt5"\n',  # deprecated alias
