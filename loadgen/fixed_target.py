@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from engines_adapters.tokenizer import ByteTokenizer, ChatTemplateError
 
@@ -58,16 +59,19 @@ class FixedTarget:
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self.auth])
         app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/health", lambda r: web.json_response({"status": "ok"}))
+        app.router.add_get("/health", self.health)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         return app
 
     @web.middleware
-    async def auth(self, req: web.Request, handler):
-        if self.cfg.api_key and req.headers.get("authorization") != f"Bearer {self.cfg.api_key}":
+    async def auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if self.cfg.api_key and request.headers.get("authorization") != f"Bearer {self.cfg.api_key}":
             return self._error(401, "missing or wrong API key")
-        return await handler(req)
+        return await handler(request)
+
+    async def health(self, _req: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
 
     async def models(self, _req: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": self.cfg.model, "object": "model"}]})
@@ -231,6 +235,7 @@ def spawn(*args: str, start_timeout_s: float = 20.0) -> Iterator[str]:
     errors = tempfile.TemporaryFile("w+")  # a file, not a pipe: a chatty target can never block
     proc = subprocess.Popen([sys.executable, "-m", "loadgen.fixed_target", "--port", "0", *args],
                             cwd=root, stdout=subprocess.PIPE, stderr=errors, text=True)
+    assert proc.stdout is not None  # stdout=PIPE
     try:
         sel = selectors.DefaultSelector()
         sel.register(proc.stdout, selectors.EVENT_READ)

@@ -66,7 +66,7 @@ def summarize(records: Sequence[RequestRecord], slo: SLO, duration_s: float | No
     out_tokens = sum(r.output_tokens for r in ok)
     reported = [r for r in ok if r.extra.get("usage_prompt_tokens") is not None]
     mismatched = [r for r in reported if r.extra["usage_prompt_tokens"] != r.prompt_tokens]
-    cached = [r for r in ok if r.cached_tokens is not None]
+    cached = [(r.cached_tokens, r.prompt_tokens) for r in ok if r.cached_tokens is not None]
     summary: dict[str, Any] = {
         "requests": len(sent),
         "completed": len(ok),
@@ -82,11 +82,11 @@ def summarize(records: Sequence[RequestRecord], slo: SLO, duration_s: float | No
         "duration_s": dur,
         "throughput_rps": len(ok) / dur if dur > 0 else None,
         "output_tokens_per_s": out_tokens / dur if dur > 0 else None,
-        "ttft_s": dist([r.ttft_s for r in ok]),
+        "ttft_s": dist([r.ttft_s for r in ok if r.ttft_s is not None]),
         "tbt_s": dist([r.tbt_s for r in ok if r.intervals]),
         "tpot_s": dist([r.tpot_s for r in ok if r.output_tokens > 1]),
         "itl_s": dist([g for r in ok for g in r.intervals]),
-        "e2e_s": dist([r.e2e_s for r in ok]),
+        "e2e_s": dist([r.e2e_s for r in ok if r.e2e_s is not None]),
         "output_tokens": out_tokens,
         "prompt_tokens": {
             "sent": sum(r.prompt_tokens for r in sent),
@@ -97,9 +97,8 @@ def summarize(records: Sequence[RequestRecord], slo: SLO, duration_s: float | No
                                  default=0),
         },
         "cached_tokens": {
-            "reported": sum(r.cached_tokens for r in cached) if cached else None,
-            "hit_ratio": (sum(r.cached_tokens for r in cached) / max(1, sum(r.prompt_tokens for r in cached))
-                          if cached else None),
+            "reported": sum(c for c, _ in cached) if cached else None,
+            "hit_ratio": sum(c for c, _ in cached) / max(1, sum(p for _, p in cached)) if cached else None,
         },
         "reject_reasons": dict(Counter(r.reject_reason or "unspecified" for r in records if r.status == "rejected")),
         "error_samples": sorted({r.error for r in records if r.status in ("error", "timeout") and r.error})[:3],

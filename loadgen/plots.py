@@ -17,9 +17,8 @@ _LINESTYLES = ["-", "--", ":", "-."]
 
 def _slo_text(summary: dict) -> str:
     slo = summary["slo"]
-    parts = [f"TTFT ≤ {slo['ttft_ms']:g} ms" if slo["ttft_ms"] is not None else None,
-             f"TBT ≤ {slo['tbt_ms']:g} ms" if slo["tbt_ms"] is not None else None]
-    parts = [p for p in parts if p]
+    parts = [p for p in (f"TTFT ≤ {slo['ttft_ms']:g} ms" if slo["ttft_ms"] is not None else None,
+                         f"TBT ≤ {slo['tbt_ms']:g} ms" if slo["tbt_ms"] is not None else None) if p]
     return "SLO: " + (", ".join(parts) if parts else "none (a request counts when it completes)")
 
 
@@ -73,7 +72,7 @@ def plot_latency(summary: dict, records: list[RequestRecord], path: str) -> None
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 5))
     kind = summary["load_kind"]
     targets = [t["target"] for t in _targets(summary)]
-    loads = sorted({r.extra.get("load") for r in records if r.extra.get("load") is not None})
+    loads = sorted({r.extra["load"] for r in records if r.extra.get("load") is not None})
     cmap = plt.get_cmap("viridis")
     ttft_all, drawn = [], 0
     for ti, url in enumerate(targets):
@@ -85,7 +84,7 @@ def plot_latency(summary: dict, records: list[RequestRecord], path: str) -> None
             color = cmap(li / max(1, len(loads) - 1) * 0.9)
             label = ((f"T{ti + 1} " if len(targets) > 1 else "")
                      + (f"{load:g}x" if kind == "speedup" else f"{load:g} req/s") + f" (n={len(ok)})")
-            ttft = [r.ttft_s * 1000 for r in ok]
+            ttft = [r.ttft_s * 1000 for r in ok if r.ttft_s is not None]
             ttft_all += ttft
             _ecdf(a1, ttft, color=color, ls=_LINESTYLES[ti % 4], lw=1.6, label=label)
             tbt = [r.tbt_s * 1000 for r in ok if r.intervals]

@@ -192,7 +192,7 @@ class _Step:
         except Exception as e:  # one request's surprise must not end the run
             rec.status, rec.error, rec.end_s = "error", f"client: {type(e).__name__}: {_one_line(e)}", self.now()
         finally:
-            if acquired:
+            if acquired and self.sem is not None:
                 self.sem.release()
         if self.progress:
             self.progress.on_done(rec)
@@ -260,7 +260,8 @@ class _Step:
             return
         rec.first_token_s, rec.token_times = now, [now]
         usage = data.get("usage") or {}
-        rec.output_tokens = usage.get("completion_tokens") if isinstance(usage.get("completion_tokens"), int) else 1
+        completion = usage.get("completion_tokens")
+        rec.output_tokens = completion if isinstance(completion, int) else 1
         self._usage(usage, rec)
         rec.status = "ok"
 

@@ -152,10 +152,11 @@ _RATIO_KEYS = [("goodput_rps",), ("slo_attainment",), ("ttft_s", "p50"), ("ttft_
                ("tbt_s", "p50"), ("tbt_s", "p90"), ("tbt_s", "p99")]
 
 
-def _get(d: dict, path: tuple[str, ...]):
+def _get(d: dict, path: tuple[str, ...]) -> Any:
+    v: Any = d
     for k in path:
-        d = d.get(k) if isinstance(d, dict) else None
-    return d
+        v = v.get(k) if isinstance(v, dict) else None
+    return v
 
 
 def ratio(a: float | None, b: float | None) -> float | None:

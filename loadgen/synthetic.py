@@ -64,7 +64,7 @@ def parse_dist(text: str) -> LengthDist:
                          "lognormal:MEDIAN:SIGMA or exp:MEAN")
     if nums[0] < 1 and kind != "normal" or (kind == "uniform" and nums[1] < nums[0]) or any(x < 0 for x in nums):
         raise ValueError(f"bad length distribution {text!r}: lengths must be >= 1 (and LO <= HI)")
-    return LengthDist(kind, *nums)
+    return LengthDist(kind, nums[0], nums[1] if len(nums) > 1 else 0.0)
 
 
 def synthetic_workload(n_requests: int, rate: float, *, input_tokens: LengthDist, output_tokens: LengthDist,

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import TypeGuard
 
 #: Tokens per ``hash_ids`` block in Mooncake's trace release.
 TRACE_BLOCK_TOKENS = 512
@@ -71,7 +72,8 @@ class _Problems:
 
     def __init__(self, strict: bool, warn: Callable[[str], None] | None):
         self.strict, self.warn = strict, warn
-        self.count, self.kept = 0, []
+        self.count = 0
+        self.kept: list[str] = []
 
     def __call__(self, where: str, why: str) -> None:
         msg = f"{where}: {why}"
@@ -84,11 +86,11 @@ class _Problems:
                 self.warn(f"skipping {msg}")
 
 
-def _is_int(v) -> bool:
+def _is_int(v) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_num(v) -> bool:
+def _is_num(v) -> TypeGuard[float]:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 

@@ -86,21 +86,21 @@ class WorkloadChoice:
 def workload_from_args(a: argparse.Namespace, log: Callable[[str], None]) -> WorkloadChoice:
     slo = SLO(None if a.slo_ttft_ms is None else a.slo_ttft_ms / 1000,
               None if a.slo_tbt_ms is None else a.slo_tbt_ms / 1000)
-    regenerate = None
+    regenerate: Callable[[float], Workload] | None = None
     if a.synthetic:
         if a.shared_prefix_blocks < 0 or a.turn_gap < 0:
             raise CLIError("--shared-prefix-blocks and --turn-gap must be >= 0")
         n = min(a.requests, a.limit or a.requests)
 
-        def regenerate(rate: float) -> Workload:
+        def synth(rate: float) -> Workload:
             return synthetic_workload(n, rate, input_tokens=a.input_tokens, output_tokens=a.output_tokens,
                                       process=a.arrival, cv=a.burstiness, turns=a.turns, turn_gap_s=a.turn_gap,
                                       shared_prefix_blocks=a.shared_prefix_blocks, block_tokens=TRACE_BLOCK_TOKENS,
                                       seed=a.seed)
 
-        base = regenerate(a.rate[0] if a.rate else 1.0)
-        if not a.rate:
-            regenerate = None  # --speedup (or nothing) compresses the rate-1 workload
+        base = synth(a.rate[0] if a.rate else 1.0)
+        if a.rate:  # else --speedup (or nothing) compresses the rate-1 workload
+            regenerate = synth
     else:
         try:
             base = read_trace(a.trace, a.format, strict=a.strict, limit=a.limit, warn=log)

@@ -162,7 +162,8 @@ def shared_prefixes(hashes: list[list[int]], arrivals: list[float],
                 second[h] = e
     earlier, window, holders = [], [], []
     for i, hs in enumerate(hashes):
-        k, runs = 0, []
+        k = 0
+        runs: list[tuple[int, int]] = []
         while k < len(hs) and first[hs[k]][1] != i:
             j = first[hs[k]][1]
             if runs and runs[-1][1] == j:
