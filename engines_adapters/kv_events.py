@@ -14,7 +14,7 @@ import logging
 import struct
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, cast
 from urllib.parse import urlsplit
 
 import zmq
@@ -122,7 +122,9 @@ class KVEventSubscriber:
 
     def open(self) -> None:
         """Bind or connect the SUB socket now, so an engine that connects later finds it."""
-        sub = self.ctx.socket(zmq.SUB, socket_class=zmq.Socket)  # the context's: its destroy closes it
+        # typed as a plain-socket context (covariant in its socket type): pyzmq's stub then accepts socket_class
+        ctx: zmq.Context[zmq.Socket] = self.ctx
+        sub = ctx.socket(zmq.SUB, socket_class=zmq.Socket)  # the context's: its destroy closes it
         try:
             sub.setsockopt(zmq.SUBSCRIBE, self.topic)
             sub.setsockopt(zmq.LINGER, 0)
@@ -134,7 +136,7 @@ class KVEventSubscriber:
             sub.close(0)  # never leak a socket: one left open keeps the context (and process) alive
             raise
         if not publisher_binds(self.endpoint) and self.endpoint.endswith(":0"):  # the port the OS chose
-            self.endpoint = sub.getsockopt(zmq.LAST_ENDPOINT).decode()
+            self.endpoint = sub.get_string(zmq.LAST_ENDPOINT)
         self._sub = sub
 
     def resync(self) -> None:
@@ -158,7 +160,7 @@ class KVEventSubscriber:
         sub = self._sub
         assert sub is not None
         loop = asyncio.get_running_loop()
-        fd = sub.getsockopt(zmq.FD)
+        fd = sub.fileno()
         loop.add_reader(fd, self._on_fd, sub)
         self._reader = loop, fd
         try:
@@ -173,7 +175,7 @@ class KVEventSubscriber:
                 # the socket processes its commands; reading ZMQ_EVENTS does that, and the bounded
                 # wait makes sure it happens even when the FD edge fired while we were busy
                 # (libzmq #2267)
-                if not sub.getsockopt(zmq.EVENTS) & _POLLIN and not await self._queued(loop, sub, 0.1):
+                if not cast(int, sub.getsockopt(zmq.EVENTS)) & _POLLIN and not await self._queued(loop, sub, 0.1):
                     if time.monotonic() - self._last_heard > self.idle_probe_s:
                         # a lost batch is otherwise noticed only when a later one arrives, and a
                         # quiet engine may send none (batches published before our subscription
@@ -197,7 +199,7 @@ class KVEventSubscriber:
         """The socket's FD signalled. ZMQ's FD is edge-like (it signals a change, not a level)
         and stays readable until the socket processes its commands: reading EVENTS does that (or
         the loop would call this again and again), and says whether a batch is queued."""
-        if sub.getsockopt(zmq.EVENTS) & _POLLIN and self._waiter is not None:
+        if cast(int, sub.getsockopt(zmq.EVENTS)) & _POLLIN and self._waiter is not None:
             _wake(self._waiter)
 
     async def _queued(self, loop: asyncio.AbstractEventLoop, sub: zmq.Socket, timeout_s: float) -> bool:
@@ -209,7 +211,7 @@ class KVEventSubscriber:
         finally:
             self._waiter = None
             timer.cancel()
-        return bool(sub.getsockopt(zmq.EVENTS) & _POLLIN)
+        return bool(cast(int, sub.getsockopt(zmq.EVENTS)) & _POLLIN)
 
     async def _on_batch(self, seq: int, payload: bytes) -> None:
         if seq < self._live_last:  # live batches from one publisher are ordered: it restarted

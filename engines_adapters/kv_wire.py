@@ -73,8 +73,8 @@ class AllBlocksCleared(KVCacheEvent):
 
 
 Event = Union[BlockStored, BlockRemoved, AllBlocksCleared]
-_EVENT_TYPES: dict[str, type] = {"BlockStored": BlockStored, "BlockRemoved": BlockRemoved,
-                                 "AllBlocksCleared": AllBlocksCleared}
+_EVENT_TYPES: dict[str, type[Event]] = {"BlockStored": BlockStored, "BlockRemoved": BlockRemoved,
+                                        "AllBlocksCleared": AllBlocksCleared}
 # positional order of the legacy array form (after the tag)
 _FIELDS = {name: cls.__struct_fields__ for name, cls in _EVENT_TYPES.items()}
 
@@ -96,7 +96,8 @@ def encode_batch(ts: float, events: list[Event], dp_rank: int | None = 0) -> byt
 
 def _event(raw: Any) -> Event:
     if isinstance(raw, dict):
-        cls = _EVENT_TYPES.get(raw.get("type"))
+        tag = raw.get("type")
+        cls = _EVENT_TYPES.get(tag) if isinstance(tag, str) else None  # (a list tag: unhashable, no TypeError)
         if cls is None:
             raise KVWireError(f"unknown KV event type {raw.get('type')!r}")
         fields = {f: raw.get(f) for f in cls.__struct_fields__}

@@ -121,11 +121,11 @@ _decoder = msgspec.msgpack.Decoder(_Batch)
 def to_sglang(ev: kv_wire.Event) -> Event:
     """One normalised event as SGLang writes it (the sim engine's publisher)."""
     if isinstance(ev, kv_wire.BlockStored):
-        return BlockStored([int(h) for h in ev.block_hashes],  # type: ignore[arg-type]
-                           None if ev.parent_block_hash is None else int(ev.parent_block_hash),  # type: ignore[arg-type]
+        return BlockStored([int(h) for h in ev.block_hashes],
+                           None if ev.parent_block_hash is None else int(ev.parent_block_hash),
                            list(ev.token_ids), ev.block_size, None, ev.medium, _salt_of(ev), None, ev.lora_name)
     if isinstance(ev, kv_wire.BlockRemoved):
-        return BlockRemoved([int(h) for h in ev.block_hashes], ev.medium)  # type: ignore[arg-type]
+        return BlockRemoved([int(h) for h in ev.block_hashes], ev.medium)
     return AllBlocksCleared()
 
 
@@ -143,7 +143,7 @@ def _salt_of(ev: kv_wire.BlockStored) -> str | None:
 
 def encode_batch(ts: float, events: list[Any], dp_rank: int | None = 0) -> bytes:
     """The msgpack payload of one batch, SGLang's shape (events in normalised or SGLang classes)."""
-    return _encoder.encode(_Batch(float(ts), [e if isinstance(e, _Event) else to_sglang(e) for e in events], dp_rank))
+    return _encoder.encode(_Batch(float(ts), [e if isinstance(e, Event) else to_sglang(e) for e in events], dp_rank))
 
 
 def decode_batch(payload: bytes) -> tuple[float, list[kv_wire.Event], int | None]:
@@ -162,9 +162,9 @@ def decode_batch(payload: bytes) -> tuple[float, list[kv_wire.Event], int | None
             if e.cache_salt and e.parent_block_hash is None:
                 extra = [[e.cache_salt]] + [None] * (len(e.block_hashes) - 1)
             out.append(kv_wire.BlockStored(list(e.block_hashes), e.parent_block_hash, e.token_ids, e.block_size,
-                                           e.lora_id, e.medium, e.lora_name, extra))  # type: ignore[arg-type]
+                                           e.lora_id, e.medium, e.lora_name, extra))
         elif isinstance(e, BlockRemoved):
-            out.append(kv_wire.BlockRemoved(list(e.block_hashes), e.medium))  # type: ignore[arg-type]
+            out.append(kv_wire.BlockRemoved(list(e.block_hashes), e.medium))
         else:
             out.append(kv_wire.AllBlocksCleared())
     return b.ts, out, b.attn_dp_rank

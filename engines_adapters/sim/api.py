@@ -25,7 +25,7 @@ from aiohttp import web
 
 from ..tokenizer import ByteTokenizer, ChatTemplateError
 from .driver import EngineDriver, RequestStream
-from .metrics import EngineMetrics
+from .metrics import Metrics
 from .model import SimRequest
 from .pd import KVParams, KVParamsError, KVPuller, PullError, parse_kv_params, prefill_response_params
 from .store_link import StoreLink
@@ -104,7 +104,7 @@ def _bool_field(body: dict, key: str, default: bool = False) -> bool:
 
 
 class OpenAIApi:
-    def __init__(self, info: ServerInfo, driver: EngineDriver, metrics: EngineMetrics, puller: KVPuller,
+    def __init__(self, info: ServerInfo, driver: EngineDriver, metrics: Metrics, puller: KVPuller,
                  store: StoreLink | None = None):
         self.info = info
         self.driver = driver
@@ -142,9 +142,10 @@ class OpenAIApi:
 
     async def models(self, request: web.Request) -> web.Response:
         i = self.info
-        data = [{"id": name, "object": "model", "created": self._created, "owned_by": "vllm",
-                 "root": i.hf_name, "parent": None, "max_model_len": i.max_model_len, "permission": []}
-                for name in (i.served_name, *i.aliases)]
+        data: list[dict[str, Any]] = [
+            {"id": name, "object": "model", "created": self._created, "owned_by": "vllm",
+             "root": i.hf_name, "parent": None, "max_model_len": i.max_model_len, "permission": []}
+            for name in (i.served_name, *i.aliases)]
         data += [{"id": name, "object": "model", "created": self._created, "owned_by": "vllm", "root": path,
                   "parent": i.served_name, "max_model_len": i.max_model_len, "permission": []}
                  for name, path in i.lora_modules.items()]  # vLLM lists adapters with their base as parent
@@ -340,21 +341,22 @@ class OpenAIApi:
     async def _run(self, request: web.Request, g: _Gen, echo: dict, rid: str | None = None) -> web.StreamResponse:
         """Pull the prompt's KV when the request asks (PD decode side), run it, answer it."""
         rid = rid or self._request_id(request)
-        remote = g.kv is not None and g.kv.do_remote_prefill
-        if remote:
+        kv = g.kv if g.kv is not None and g.kv.do_remote_prefill else None  # what the pull names
+        remote = kv is not None
+        if kv is not None:
             try:
-                meta = await self.puller.pull(g.kv)
+                meta = await self.puller.pull(kv)
             except PullError as e:
                 return error_response(e.status, str(e), "kv_transfer_params", echo, err_type=e.code)
             except asyncio.CancelledError:  # the client left during the pull: free the prefill's KV now
-                self.puller.release(g.kv)
+                self.puller.release(kv)
                 raise
             if not isinstance(meta, dict):
-                self.puller.release(g.kv)
+                self.puller.release(kv)
                 return error_response(502, "the prefill instance answered the pull with no JSON object",
                                       "kv_transfer_params", echo)
             if meta.get("num_tokens") != len(g.prompt):
-                self.puller.release(g.kv)
+                self.puller.release(kv)
                 return error_response(409, f"the prefill instance holds KV for {meta.get('num_tokens')} tokens but "
                                            f"this prompt has {len(g.prompt)}", "kv_transfer_params", echo)
         req = SimRequest(rid, g.prompt, g.max_tokens, output_len=g.max_tokens if g.ignore_eos else None,
@@ -366,11 +368,11 @@ class OpenAIApi:
         try:
             st = self.driver.submit(req)
         except ValueError as e:
-            if remote:
-                self.puller.release(g.kv)
+            if kv is not None:
+                self.puller.release(kv)
             return error_response(400, str(e), None, echo)
-        if remote:
-            self._remote[rid] = g.kv
+        if kv is not None:
+            self._remote[rid] = kv
         try:
             if g.native:
                 return await self._native(request, st, g, rid, echo)
@@ -390,6 +392,7 @@ class OpenAIApi:
 
     def _usage(self, st: RequestStream) -> dict:
         f = st.finished
+        assert f is not None  # called once the request finished
         return {"prompt_tokens": f.prompt_tokens, "total_tokens": f.prompt_tokens + f.output_tokens,
                 "completion_tokens": f.output_tokens, "prompt_tokens_details": {"cached_tokens": f.cached_tokens}}
 
@@ -423,11 +426,12 @@ class OpenAIApi:
         if err is not None:
             return error_response(500, err, None, echo)
         f = st.finished
+        assert f is not None  # the loop above ends on it
         text = self.tok.decode(tokens)
         choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": f.reason, "stop_reason": None}
         if g.chat:
             choice["message"] = {"role": "assistant", "content": text, "tool_calls": []}
-            body = {"id": f"chatcmpl-{rid}", "object": "chat.completion"}
+            body: dict[str, Any] = {"id": f"chatcmpl-{rid}", "object": "chat.completion"}
         else:
             choice["text"] = text
             body = {"id": f"cmpl-{rid}", "object": "text_completion"}
@@ -486,6 +490,7 @@ class OpenAIApi:
 
     def _final_chunks(self, st: RequestStream, g: _Gen, rid: str, created: int, model: str) -> bytes:
         f = st.finished
+        assert f is not None  # called once the request finished
         base = {"id": f"{'chatcmpl' if g.chat else 'cmpl'}-{rid}",
                 "object": "chat.completion.chunk" if g.chat else "text_completion", "created": created,
                 "model": model}
@@ -494,7 +499,7 @@ class OpenAIApi:
             choice["delta"] = {}
         else:
             choice["text"] = ""
-        last = {**base, "choices": [choice]}
+        last: dict[str, Any] = {**base, "choices": [choice]}
         kvp = self._kv_params_out(g, rid)
         if kvp is not None:
             last["kv_transfer_params"] = kvp

@@ -6,11 +6,11 @@ whose hashing settings they read; the model calls them as it commits blocks.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from scheduler.hashing import digest_to_int, vllm_block_digests, vllm_extra_keys
 
-from ..kv_wire import MEDIUM_GPU, BlockStored
+from ..kv_wire import MEDIUM_GPU, BlockHash, BlockStored
 from ..sglang_wire import digest_to_event_id, page_digests, salt_seed
 from .kv_cache import Block, lora_int_id
 from .sequence import Seq
@@ -58,13 +58,14 @@ def stored(e: EngineModel, s: Seq, idxs: list[int]) -> None:
         keys = event_extra_keys(e, a, b, lora, salt)
         if meta is None:  # index ids, no host tier: a block's id is its hash
             events.append(BlockStored(
-                block_hashes=hashes_all[a:b], parent_block_hash=hashes_all[a - 1] if a else None,
+                block_hashes=cast("list[BlockHash]", hashes_all[a:b]),  # a fresh slice: no alias sees it as ints
+                parent_block_hash=hashes_all[a - 1] if a else None,
                 token_ids=tokens, block_size=bs, lora_id=lora_id, medium=MEDIUM_GPU, lora_name=lora,
                 extra_keys=keys, group_idx=0))
             continue
         parent = meta[hashes_all[a - 1]] if a else None
         parent_vh = parent.vh if parent else None
-        hashes: list[int] = []
+        hashes: list[BlockHash] = []
         if e._index_ids:
             for off in range(b - a):
                 h = hashes_all[a + off]
@@ -78,6 +79,7 @@ def stored(e: EngineModel, s: Seq, idxs: list[int]) -> None:
                 digests = vllm_block_digests(tokens, bs, parent=parent.vdigest if parent else e._none_digest,
                                              algo=e.hash_algo, lora_name=lora, cache_salt=salt, first=a == 0)
             for off, d in enumerate(digests):
+                vh: BlockHash
                 if e._sglang_ids:
                     vh = digest_to_event_id(d)
                 else:

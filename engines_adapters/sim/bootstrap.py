@@ -70,7 +70,7 @@ class Rooms:
     """The prefill side's rooms: which live request holds (or will hold) each room's KV."""
 
     def __init__(self) -> None:
-        self._rooms: dict[int, _Room] = {}
+        self._rooms: dict[Key, _Room] = {}
         self._dp_ranks: dict[int, tuple[int, float]] = {}
 
     def __len__(self) -> int:
@@ -139,7 +139,7 @@ class Rooms:
         r.released.set()
         return True
 
-    def register_dp_rank(self, room: Key, dp_rank: int) -> None:
+    def register_dp_rank(self, room: int, dp_rank: int) -> None:
         self._dp_ranks[room] = (dp_rank, time.monotonic())
         if len(self._dp_ranks) > 100_000:  # SGLang expires entries after 120 s
             cutoff = time.monotonic() - 120.0

@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from .metrics import EngineMetrics
+from .metrics import Metrics
 from .model import EngineModel, Finished, FirstToken, SimRequest, StepResult
 from .publisher import KVEventPublisher
 
@@ -50,7 +50,7 @@ class RequestStream:
 
 
 class EngineDriver:
-    def __init__(self, engine: EngineModel, *, time_scale: float = 1.0, metrics: EngineMetrics | None = None,
+    def __init__(self, engine: EngineModel, *, time_scale: float = 1.0, metrics: Metrics | None = None,
                  publisher: KVEventPublisher | None = None,
                  on_kv_loaded: Callable[[str], None] | None = None,
                  on_store_writes: Callable[[list], None] | None = None):

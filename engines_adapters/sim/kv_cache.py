@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
-from ..kv_wire import MEDIUM_CPU, MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored
+from ..kv_wire import MEDIUM_CPU, MEDIUM_GPU, AllBlocksCleared, BlockHash, BlockRemoved, BlockStored
 
 
 class Block:
@@ -40,8 +40,8 @@ class Block:
 
     __slots__ = ("vh", "vdigest", "parent_vh", "tokens", "keys", "lora")
 
-    def __init__(self, vh: int, vdigest: bytes | None, parent_vh: int | None, tokens: tuple[int, ...] | None,
-                 keys: tuple[str, ...] | None = None, lora: str | None = None):
+    def __init__(self, vh: BlockHash, vdigest: bytes | None, parent_vh: BlockHash | None,
+                 tokens: tuple[int, ...] | None, keys: tuple[str, ...] | None = None, lora: str | None = None):
         self.vh = vh
         self.vdigest = vdigest
         self.parent_vh = parent_vh
@@ -143,9 +143,7 @@ class KVCache:
                 self._offload(h, m)
         elif self.events is not None:
             meta = self.meta
-            if meta is not None:
-                evicted = [meta.pop(h).vh for h in evicted]
-            self._removed(evicted, MEDIUM_GPU)
+            self._removed(evicted if meta is None else [meta.pop(h).vh for h in evicted], MEDIUM_GPU)
 
     def _offload(self, h: int, m: Block | None) -> None:
         host = self.host
@@ -167,7 +165,7 @@ class KVCache:
             if self.events is not None:
                 self._removed([old.vh if old is not None else old_h], self.host_medium)
 
-    def _removed(self, vhs: list[int], medium: str) -> None:
+    def _removed(self, vhs: Sequence[BlockHash], medium: str) -> None:
         """One BlockRemoved per block, as vLLM's BlockPool sends them (group 0: one KV-cache group)."""
         ev = self.events
         assert ev is not None

@@ -135,7 +135,7 @@ def run_timers(e: EngineModel, now: float, res: StepResult) -> None:
     order = e._held_order
     while order and order[0][0] <= now:
         t, rid = order.popleft()
-        s = e._held.get(rid)
-        if s is not None and s.hold_expires == t:
+        held = e._held.get(rid)
+        if held is not None and held.hold_expires == t:
             e.release_kv(rid)
             res.expired.append(rid)

@@ -6,6 +6,8 @@ seconds at ``--time-scale 1``), so they describe the simulated GPU, not this pro
 """
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -18,6 +20,18 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                    240.0, 480.0, 960.0, 1920.0, 7680.0)
 LABELS = ("model_name", "engine")
+
+
+class Metrics(Protocol):
+    """What the driver and the API use of a metrics set: vLLM's (:class:`EngineMetrics`) or SGLang's names."""
+
+    registry: CollectorRegistry
+    ttft: Any
+    itl: Any
+
+    def finished(self, f: Finished) -> None: ...
+
+    def render(self) -> bytes: ...
 
 
 class _EngineCollector:

@@ -123,7 +123,9 @@ class KVPuller:
 
     @staticmethod
     def _url(p: KVParams, path: str) -> str:
-        host = p.remote_host if ":" not in (p.remote_host or "") else f"[{p.remote_host.strip('[]')}]"
+        host = p.remote_host
+        if host is not None and ":" in host:
+            host = f"[{host.strip('[]')}]"
         return f"http://{host}:{p.remote_port}{path}"
 
     def known(self, p: KVParams) -> bool:
@@ -135,8 +137,8 @@ class KVPuller:
             raise PullError(403, f"{p.remote_host}:{p.remote_port} is not a known prefill peer of this engine "
                                  f"(--kv-peers)", "kv_transfer_unknown_peer")
         try:
-            body = {"remote_request_id": p.remote_request_id}
-            async with self._sess().post(self._url(p, "/kv/pull"), json=body) as r:
+            async with self._sess().post(self._url(p, "/kv/pull"),
+                                         json={"remote_request_id": p.remote_request_id}) as r:
                 body = await r.json(content_type=None)
                 if r.status == 200:
                     return body

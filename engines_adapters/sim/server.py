@@ -38,7 +38,7 @@ from ..store.mooncake import SCHEME as MOONCAKE, MooncakeRefused, MooncakeStoreC
 from .api import OpenAIApi, ServerInfo
 from .bootstrap import MooncakePuller, RoomPuller, Rooms, bootstrap_routes, mooncake_routes
 from .driver import EngineDriver
-from .metrics import EngineMetrics
+from .metrics import EngineMetrics, Metrics
 from .model import ROLES, EngineModel
 from .mooncake_api import MooncakeApi
 from .pd import KVPuller, parse_peer
@@ -252,9 +252,9 @@ async def _serve(args: argparse.Namespace, engine: EngineModel, publisher: KVEve
         rooms = Rooms()
         puller: KVPuller = (RoomPuller(args.block_size, args.disaggregation_waiting_timeout, peers=args.kv_peers)
                             if args.role == "decode" else KVPuller(peers=args.kv_peers))
-        metrics = SGLangMetrics(engine, name, args.role,
-                                lambda: (len(rooms), puller.waiting if isinstance(puller, RoomPuller) else 0))
-        driver = EngineDriver(engine, time_scale=args.time_scale, metrics=metrics, publisher=publisher)  # type: ignore[arg-type]
+        metrics: Metrics = SGLangMetrics(engine, name, args.role,
+                                         lambda: (len(rooms), puller.waiting if isinstance(puller, RoomPuller) else 0))
+        driver = EngineDriver(engine, time_scale=args.time_scale, metrics=metrics, publisher=publisher)
         api: OpenAIApi = SGLangApi(info, driver, metrics, puller, rooms=rooms, page_size=args.block_size,
                                    bootstrap_port=args.disaggregation_bootstrap_port,
                                    server_args=_server_args(args))
@@ -304,9 +304,9 @@ async def _serve(args: argparse.Namespace, engine: EngineModel, publisher: KVEve
         raise
     stop = loop.create_future()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, lambda: stop.done() or stop.set_result(0))
+        loop.add_signal_handler(sig, lambda: None if stop.done() else stop.set_result(0))
     engine_task = loop.create_task(driver.run())
-    engine_task.add_done_callback(lambda t: stop.done() or stop.set_result(1))
+    engine_task.add_done_callback(lambda t: None if stop.done() else stop.set_result(1))
     print(f"sim-engine ready: http://{args.host}:{info.port} role={args.role} profile={args.profile} "
           f"model={name} time_scale={args.time_scale} flavor={args.flavor}{extra}", flush=True)
     code = await stop
@@ -345,7 +345,7 @@ async def _listen(app: web.Application, host: str, port_: int, runners: list[web
         await runner.cleanup()
         raise CLIError(f"cannot listen on {host}:{port_} ({what}): {e.strerror or e}") from None
     runners.append(runner)
-    return site._server.sockets[0].getsockname()[1]
+    return site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]  # aiohttp's private server: set by start()
 
 
 def _server_args(args: argparse.Namespace) -> dict:

@@ -328,8 +328,8 @@ class SGLangApi(OpenAIApi):
             if st.finished is not None:
                 err = await self._before_end(g, rid)
                 if err is not None:
-                    chunk = {"error": {"message": err, "type": "invalid_request_error", "code": 500,
-                                       "retryable": False}}
+                    chunk: dict[str, Any] = {"error": {"message": err, "type": "invalid_request_error", "code": 500,
+                                                     "retryable": False}}
                 else:
                     chunk = {"text": self.tok.decode(out_ids), "output_ids": out_ids,
                              "meta_info": self._meta(st, g, rid, len(out_ids), t0)}

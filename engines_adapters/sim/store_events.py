@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 
-from ..kv_wire import BlockRemoved, BlockStored
+from ..kv_wire import BlockHash, BlockRemoved, BlockStored
 from .kv_cache import lora_int_id
 from .model import EngineModel
 
@@ -27,7 +27,7 @@ class StoreAnnouncer:
         self.engine = engine
         self.kick = kick
         self.max_entries = max_entries
-        self.held: OrderedDict[int, object] = OrderedDict()  # block hash -> event id announced in the store
+        self.held: OrderedDict[int, BlockHash] = OrderedDict()  # block hash -> event id announced in the store
         self.stored_events = 0
         self.removed_events = 0
 
@@ -38,7 +38,7 @@ class StoreAnnouncer:
         if self.kick is not None:
             self.kick()
 
-    def _remember(self, h: int, vh: object) -> None:
+    def _remember(self, h: int, vh: BlockHash) -> None:
         held = self.held
         held[h] = vh
         held.move_to_end(h)
@@ -72,7 +72,8 @@ class StoreAnnouncer:
         for i in fresh:
             self._remember(hashes[i], ids[i])
 
-    def stored_blocks(self, blocks: list[tuple[int, object, object, object, str | None, list[int]]]) -> None:
+    def stored_blocks(self, blocks: list[tuple[int, BlockHash | None, BlockHash | None, object, str | None,
+                                               list[int]]]) -> None:
         """Write-back: single evicted blocks now in the store, parents first:
         (block hash, event id, parent event id, extra keys, LoRA adapter, tokens)."""
         e = self.engine
@@ -81,7 +82,7 @@ class StoreAnnouncer:
         for h, vh, parent, keys, lora, tokens in blocks:
             if vh is None or h in self.held:
                 continue
-            self._emit(BlockStored(block_hashes=[vh], parent_block_hash=parent, token_ids=list(tokens),  # type: ignore[list-item]
+            self._emit(BlockStored(block_hashes=[vh], parent_block_hash=parent, token_ids=list(tokens),
                                    block_size=e.block_size, lora_id=lora_int_id(lora), medium=e.store_medium,
                                    lora_name=lora, extra_keys=[keys], group_idx=0))
             self.stored_events += 1
@@ -93,5 +94,5 @@ class StoreAnnouncer:
             return
         ids = [self.held.pop(h) for h in hashes if h in self.held]
         if ids:
-            self._emit(BlockRemoved(block_hashes=ids, medium=self.engine.store_medium, group_idx=0))  # type: ignore[arg-type]
+            self._emit(BlockRemoved(block_hashes=ids, medium=self.engine.store_medium, group_idx=0))
             self.removed_events += 1

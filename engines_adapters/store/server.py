@@ -253,7 +253,7 @@ async def _serve(a: argparse.Namespace, svc: StoreService) -> int:
     loop = asyncio.get_running_loop()
     stop = loop.create_future()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, lambda: stop.done() or stop.set_result(0))
+        loop.add_signal_handler(sig, lambda: None if stop.done() else stop.set_result(0))
     spec = svc.model.spec
     print(f"sim-store ready: http://{a.host}:{bound} nodes={spec.nodes} dram_gb={a.dram_gb} protocol={a.protocol} "
           f"kv_events={a.kv_events or 'off'} time_scale={a.time_scale}", flush=True)
