@@ -40,7 +40,7 @@ def number_decisions(scheduler: Any) -> NumberedLog:
     return scheduler.decisions
 
 
-def _int(raw: str | None, name: str, default: int | None, lo: int) -> int | None:
+def _int(raw: str | None, name: str, default: int, lo: int) -> int:
     if raw is None:
         return default
     try:

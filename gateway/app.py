@@ -121,7 +121,7 @@ def create_app(cfg: GatewayConfig, guard: Any = None) -> FastAPI:
         return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
 
     @app.get("/metrics")
-    async def metrics():
+    async def metrics() -> Response:
         m: GatewayMetrics = state["metrics"]
         cluster: Cluster = state["cluster"]
         for inst in cluster.scheduler.snapshot()["instances"]:
@@ -205,5 +205,6 @@ def _tokenizer(cfg: GatewayConfig, cluster: Cluster):
             return None
         return EngineTokenizer(pick)
     if cfg.tokenizer == "hf":
+        assert cfg.tokenizer_path is not None  # validate() requires it with 'hf'
         return HFTokenizer(cfg.tokenizer_path)
     return BuiltinTokenizer()

@@ -116,11 +116,13 @@ class EmbeddedCluster:
         if self.cfg.store and not self._kv_store:
             self.store = self._start_store(env)
         for i, e in enumerate(self.engines):
-            extra = sim_flavor_args(e.protocol)
-            if e.protocol == "sglang" and e.role == "prefill":  # it picks a free port; /server_info names it
-                extra += [BOOTSTRAP_FLAGS[e.protocol], "0"]
+            protocol = e.protocol
+            assert protocol is not None  # plan() names each engine's protocol
+            extra = sim_flavor_args(protocol)
+            if protocol == "sglang" and e.role == "prefill":  # it picks a free port; /server_info names it
+                extra += [BOOTSTRAP_FLAGS[protocol], "0"]
             elif e.bootstrap_port is not None:  # each prefill's bootstrap server on its own port
-                extra += [BOOTSTRAP_FLAGS[e.protocol], str(e.bootstrap_port)]
+                extra += [BOOTSTRAP_FLAGS[protocol], str(e.bootstrap_port)]
             args = [sys.executable, "-m", "gateway.cli", "sim-engine", "--role", e.role,
                     "--port", e.url.rsplit(":", 1)[1], *extra,
                     "--kv-events", str(e.kv_events), "--kv-events-replay", str(e.kv_events_replay),
@@ -140,6 +142,7 @@ class EmbeddedCluster:
         waits: list[tuple[str, str, subprocess.Popen, EngineConfig | None]] = [
             (e.id, e.url, p, e) for e, p in zip(self.engines, self.procs[-len(self.engines):], strict=True)]
         if self.store is not None:
+            assert self._store_proc is not None  # started with the store
             waits.insert(0, ("store", self.store.url, self._store_proc, None))
         async with aiohttp.ClientSession() as s:
             for eid, url, p, e in waits:

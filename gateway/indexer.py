@@ -179,8 +179,8 @@ class Indexer:
         if tier is not None and self.store_name in ans[tenant] and hashes:  # the store tier knows more than events
             n = await tier.lookup(tokens, hashes, len(hashes))
             if n:
-                e = ans[tenant][self.store_name]
-                e["longest_matched"] = e["CPU"] = e["DP"]["0"] = max(e["CPU"], n * self.block_size)
+                entry = ans[tenant][self.store_name]
+                entry["longest_matched"] = entry["CPU"] = entry["DP"]["0"] = max(entry["CPU"], n * self.block_size)
         return JSONResponse(ans)
 
     async def query_by_hash(self, request: Request) -> Response:
@@ -215,7 +215,7 @@ class Indexer:
         bs = _int(body, "block_size", minimum=1)
         if bs != self.block_size:
             raise BadField("block_size", f"block_size {bs}: this index holds blocks of {self.block_size} tokens")
-        return f"{iid}|{tenant}|{dp}", iid, typ  # type: ignore[return-value]
+        return f"{iid}|{tenant}|{dp}", iid, typ
 
     async def register(self, request: Request) -> Response:
         try:

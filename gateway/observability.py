@@ -103,8 +103,8 @@ def make_tracer_provider(exporter: str, endpoint: str | None) -> TracerProvider 
     else:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-        exporter = OTLPSpanExporter(endpoint=endpoint) if endpoint else OTLPSpanExporter()
-        provider.add_span_processor(BatchSpanProcessor(exporter))
+        otlp = OTLPSpanExporter(endpoint=endpoint) if endpoint else OTLPSpanExporter()
+        provider.add_span_processor(BatchSpanProcessor(otlp))
     return provider
 
 

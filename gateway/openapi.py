@@ -32,15 +32,18 @@ _MESSAGE = {"type": "object", "required": ["role", "content"], "properties": {
     "role": {"enum": ["system", "developer", "user", "assistant"]},
     "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": _PART, "minItems": 1}]},
     "name": {"type": "string"}}}
-CHAT = {"type": "object", "required": ["model", "messages"], "additionalProperties": True, "properties": {
-    "model": {"type": "string", "minLength": 1}, "messages": {"type": "array", "items": _MESSAGE, "minItems": 1},
-    "max_completion_tokens": {"type": ["integer", "null"], "minimum": 1}, **_SAMPLING}}
-COMPLETION = {"type": "object", "required": ["model", "prompt"], "additionalProperties": True, "properties": {
-    "model": {"type": "string", "minLength": 1},
-    "prompt": {"oneOf": [{"type": "string", "minLength": 1},
-                         {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
-                         {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1}]},
-    **_SAMPLING}}
+CHAT: dict[str, Any] = {
+    "type": "object", "required": ["model", "messages"], "additionalProperties": True, "properties": {
+        "model": {"type": "string", "minLength": 1}, "messages": {"type": "array", "items": _MESSAGE, "minItems": 1},
+        "max_completion_tokens": {"type": ["integer", "null"], "minimum": 1}, **_SAMPLING}}
+COMPLETION: dict[str, Any] = {
+    "type": "object", "required": ["model", "prompt"], "additionalProperties": True, "properties": {
+        "model": {"type": "string", "minLength": 1},
+        "prompt": {"oneOf": [
+            {"type": "string", "minLength": 1},
+            {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+            {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1}]},
+        **_SAMPLING}}
 ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type"],
     "properties": {"message": {"type": "string"}, "type": {"type": "string"},

@@ -47,7 +47,7 @@ from gateway.waiting import DeferringLifecycle, GatewayWaitRoom
 from predictors.telemetry import RequestRecord
 from scheduler import Rejection, RequestFacts
 from scheduler.hashing import block_hashes, namespace_parent
-from scheduler.lifecycle import RequestLifecycle
+from scheduler.lifecycle import Observer, RequestLifecycle
 
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
@@ -112,7 +112,8 @@ class Proxy:
         ledger = self.sched.ledger
         metrics.inflight.set_function(lambda: len(ledger))  # requests holding a reservation, read at scrape
         # the predictors hear every finished request too (online correction, learned models)
-        self._observers = (self._forget, metrics.observe, telemetry.write, self.sched.predictors.observe)
+        self._observers: tuple[Observer, ...] = (self._forget, metrics.observe, telemetry.write,
+                                                 self.sched.predictors.observe)
         # deferred dispatch (defer=on): the first decision may wait at the gateway (gateway/waiting.py)
         self.waiting = GatewayWaitRoom(self.sched)
         metrics.waiting.set_function(lambda: len(self.waiting))
@@ -310,7 +311,8 @@ class Proxy:
                                         on_first=functools.partial(lc.scheduler.decode_started, lc.request_id))
                 self.cluster.track(d.decode, resp, stream.abort)
                 return guard.hand_off(stream)
-            self.cluster.track(d.decode, resp, lambda _reason, r=resp: r.close())
+            # late binding is safe: both ways below return (mypy cannot type a default-argument lambda)
+            self.cluster.track(d.decode, resp, lambda _reason: resp.close())  # noqa: B023
             try:
                 return await self._whole(resp, headers, lc)
             finally:

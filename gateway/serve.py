@@ -34,6 +34,7 @@ def main(argv: list[str]) -> int:
         if cfg.tokenizer == "hf":
             from gateway.tokenizers import HFTokenizer
 
+            assert cfg.tokenizer_path is not None  # validate() requires it with 'hf'
             HFTokenizer(cfg.tokenizer_path)
     except (ValueError, KeyError) as e:
         raise CLIError(f"bad configuration: {e.args[0] if e.args else e}") from None
@@ -80,8 +81,10 @@ def _run(cfg: GatewayConfig, log_level: str, sock: socket.socket) -> int:
     guard = GuardCollector(limits)
     guard.request_limit = RequestLimit(create_app(cfg, guard), cfg.max_concurrent_requests)
     app = StartupReport(guard.request_limit)
+    # uvicorn annotates its timeouts int but takes float seconds (they go to call_later, asyncio.timeout)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=log_level, access_log=False,
-                            loop="uvloop", http=guarded_protocol(limits), timeout_keep_alive=cfg.keepalive_timeout_s,
+                            loop="uvloop", http=guarded_protocol(limits),
+                            timeout_keep_alive=cfg.keepalive_timeout_s,  # type: ignore[arg-type]
                             # in-flight streams get half the shutdown budget; stopping everything the rest
                             timeout_graceful_shutdown=cfg.shutdown_timeout_s / 2)  # type: ignore[arg-type]
     server = _server(config, cfg.shutdown_timeout_s)

@@ -16,6 +16,7 @@ from typing import Any
 import aiohttp
 from starlette.responses import Response
 
+from engines_adapters.drivers.base import DecodeResponse, StreamBody
 from gateway.errors import sse_error
 
 # a chat delta or completion choice with non-empty text: a token chunk, not a role-only chunk
@@ -91,7 +92,7 @@ class UpstreamStream(Response):
     disaggregated pair's usage events report the prefill side's cached tokens, the number its
     ``x-conductor-prefill-cached-tokens`` header carries."""
 
-    def __init__(self, resp: aiohttp.ClientResponse, headers: dict[str, str],
+    def __init__(self, resp: DecodeResponse, headers: dict[str, str],
                  on_done: Callable[[StreamTally], None], idle_timeout_s: float,
                  on_first: Callable[[], object] | None = None):
         self.resp, self.extra_headers, self.on_done, self.idle_timeout_s = resp, headers, on_done, idle_timeout_s
@@ -110,6 +111,7 @@ class UpstreamStream(Response):
 
     async def __call__(self, scope, receive, send) -> None:
         main = asyncio.current_task()
+        assert main is not None  # an ASGI app is always called from a task
         tally = self.tally
 
         async def watch_disconnect() -> None:
@@ -207,7 +209,7 @@ class ReadDeadline:
         self.cancelling = self.task.cancelling()  # as asyncio.timeout: a cancellation of ours only
         self.timer: asyncio.TimerHandle | None = self.loop.call_at(self.loop.time() + idle_s, self._due)
 
-    async def read(self, content: aiohttp.StreamReader) -> bytes:
+    async def read(self, content: StreamBody) -> bytes:
         self.since = self.loop.time()
         try:
             return await content.readany()

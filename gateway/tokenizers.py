@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import Protocol
+from typing import Any, Protocol
 
 from engines_adapters.drivers import UpstreamError, UpstreamHTTPError
 from engines_adapters.engine_client import EngineClient
@@ -67,8 +67,9 @@ class HFTokenizer:
     def _tokens(self, req: ParsedRequest) -> list[int]:
         try:
             if req.endpoint == "chat":
-                ids = self.tok.apply_chat_template(req.body["messages"], add_generation_prompt=True, tokenize=True)
-                return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # transformers 5 returns a dict
+                # the ids, or (transformers 5) a dict of them
+                ids: Any = self.tok.apply_chat_template(req.body["messages"], add_generation_prompt=True, tokenize=True)
+                return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
             prompt = req.body["prompt"]
             return list(prompt) if isinstance(prompt, list) else list(self.tok.encode(prompt, add_special_tokens=True))
         except Exception as e:  # the template or the prompt is bad: the client's error
