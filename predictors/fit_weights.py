@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import linprog  # type: ignore[import-untyped]
+from scipy.optimize import linprog
 from sklearn.linear_model import LinearRegression  # type: ignore[import-untyped]
 
 from predictors.learned_models import TermModel, TermModels
