@@ -61,6 +61,16 @@ def test_tpot_and_itl_pool():
     assert s["e2e_s"]["p50"] == pytest.approx(0.9)
 
 
+def test_an_ok_record_without_a_first_token_counts_as_a_miss_not_a_crash():
+    """A lifecycle can finish "ok" with no token (a gateway's record of an empty answer): it has
+    no TTFT, so it misses any SLO and is left out of the latency distributions."""
+    recs = [ok(0, arrival=0, ttft=0.3, gaps=[0.1]),
+            RequestRecord("empty", arrival_s=1, sent_s=1, status="ok", output_tokens=0, prompt_tokens=100)]
+    s = summarize(recs, SLO(ttft_s=1.0))
+    assert s["completed"] == 2 and s["slo_met"] == 1
+    assert s["ttft_s"]["n"] == 1 and s["e2e_s"]["n"] == 1
+
+
 def test_prompt_token_check_counts_mismatches():
     a, b = ok(0, 0, 0.1, [0.1]), ok(1, 1, 0.1, [0.1])
     a.extra["usage_prompt_tokens"] = 100

@@ -60,6 +60,7 @@ def test_decodes_map_batches_and_ignores_unknown_fields():
 
 
 @pytest.mark.parametrize("payload", [b"\xc1", msgpack.packb("nope"), msgpack.packb([1.0, [{"type": "Nope"}], 0]),
+                                     msgpack.packb([1.0, [{"type": ["BlockStored"]}], 0]),  # an unhashable tag
                                      msgpack.packb([1.0, [["BlockRemoved", "not-a-list", "GPU"]], 0])])
 def test_garbage_is_a_clear_error(payload):
     with pytest.raises(KVWireError):
