@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import math
 
-from .profiles import GB, Profile
+from predictors.facts import GB
+
+from .profiles import Profile
 
 #: Calibration keys of the gap profiles; a profile with none of them times exactly as before.
 GAP_KEYS = ("gpu_speed", "mfu_half_tokens", "attn_ctx_knee", "seq_overhead_us")
