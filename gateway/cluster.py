@@ -4,6 +4,7 @@ readmits instances."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -29,13 +30,21 @@ T = TypeVar("T")
 #: how often a healthy engine's served models are asked again (they rarely change)
 MODELS_EVERY_S = 1.0
 
+#: the Scheduler's own keyword arguments: a policy parameter of the same name would collide with them
+SCHEDULER_ARGS = set(inspect.signature(Scheduler).parameters) - {"instances", "policy_params"}
+
+
 def build_scheduler(cfg: GatewayConfig, engines: list[EngineConfig]) -> Scheduler:
     """The scheduler for these engines, predicting from their public deployments and the
     configured prior; a bad policy, parameter or deployment raises ValueError."""
     params = dict(cfg.policy_params)
-    if "late_rejection" in params:  # a refusal after the prefill, which no driver acts on
-        raise ValueError("late_rejection is an experiment of `conductor simulate` (--late-rejection): the gateway's "
-                         "drivers open the decode leg once the prefill is done")
+    for name in sorted(SCHEDULER_ARGS & params.keys()):
+        if name == "late_rejection":  # a refusal after the prefill, which no driver acts on
+            raise ValueError("late_rejection is an experiment of `conductor simulate` (--late-rejection): the "
+                             "gateway's drivers open the decode leg once the prefill is done")
+        where = f"the configuration's top-level {name!r}" if name in GatewayConfig.__dataclass_fields__ \
+            else "the gateway sets it"
+        raise ValueError(f"{name} is the scheduler's own setting, not a policy parameter ({where})")
     if cfg.policy.startswith("conductor"):
         params.setdefault("peer_pull", cfg.peer_kv_pull)
     # the role's name: Instance parses it into a Role (a bad one's error names the instance)

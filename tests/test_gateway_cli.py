@@ -30,6 +30,7 @@ def test_help_lists_every_command():
     ('[policy_params]\ncost_eta = 0\n', "cost_eta must be a positive number"),
     ('[policy_params]\ncost_admission = "maybe"\n', "cost_admission must be true or false"),
     ('[policy_params]\nlate_rejection = true\n', "late_rejection is an experiment of `conductor simulate`"),
+    ('[policy_params]\nadmission = false\n', "admission is the scheduler's own setting, not a policy parameter"),
     ('[[engines]]\nid = "a"\nrole = "both"\nurl = "http://127.0.0.1:1"\ndeployment = "gpt5"\n',
      "unknown deployment 'gpt5'; known: llama3-70b-a800x8, llama3-8b-h200"),
     ('[[engines]]\nid = "a"\nrole = "both"\nurl = "http://127.0.0.1:1"\nprofile = "gpt5"\n',  # deprecated alias

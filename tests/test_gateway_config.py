@@ -89,3 +89,20 @@ def test_a_pair_that_would_mix_protocols_is_refused_naming_both(engines, words):
         parse_config({"engines": engines})
     with pytest.raises(ConfigError, match="engine must be one of"):
         parse_config({"embedded": {"engine": "trtllm"}})
+
+
+def test_a_policy_parameter_naming_a_scheduler_setting_is_one_clear_error():
+    """``[policy_params]`` reaches Scheduler(**params): a key naming one of its own arguments
+    collided (a TypeError traceback at start-up) or, for late_rejection, was obeyed by the
+    scheduler and ignored by the drivers."""
+    from gateway.cluster import SCHEDULER_ARGS, build_scheduler
+
+    assert {"admission", "clock", "late_rejection", "seed"} <= SCHEDULER_ARGS
+    for name in sorted(SCHEDULER_ARGS):
+        cfg = parse_config({"policy_params": {name: 1}})
+        with pytest.raises(ValueError, match=name) as err:
+            build_scheduler(cfg, [])
+        assert ("top-level" in str(err.value)) == (name in ("admission", "block_size", "early_rejection",
+                                                            "keep_decisions", "policy", "predictors",
+                                                            "priority_headroom", "slo"))
+    build_scheduler(parse_config({"policy_params": {"cost_eta": 2.0}}), [])  # a real parameter still goes through
