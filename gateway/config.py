@@ -3,6 +3,7 @@ examples/conductor.toml), or nothing for the embedded simulated cluster."""
 from __future__ import annotations
 
 import tomllib
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -159,10 +160,38 @@ def _take(section: dict[str, Any], cls, where: str):
     unknown = set(section) - known
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
+    hints = typing.get_type_hints(cls)
+    for key, value in section.items():
+        want = _kind(hints[key], value)
+        if want is not None:
+            raise ConfigError(f"{where}: {key} must be {want}, got {value!r}")
     try:
         return cls(**section)
     except TypeError as e:
         raise ConfigError(f"{where}: {e}") from None
+
+
+_KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string", list: "a list",
+          dict: "a table"}
+
+
+def _kind(hint: Any, value: Any) -> str | None:
+    """What a TOML value of a field annotated ``hint`` should have been, or None when it is one
+    (a field of another type is parsed, and checked, by its own section)."""
+    args = typing.get_args(hint)
+    if type(None) in args:  # X | None
+        if value is None:
+            return None
+        rest = [a for a in args if a is not type(None)]
+        hint = rest[0] if len(rest) == 1 else hint
+    base = typing.get_origin(hint) or hint
+    if base not in _KINDS:
+        return None
+    if isinstance(value, bool):
+        ok = base is bool
+    else:
+        ok = isinstance(value, (int, float)) if base is float else isinstance(value, base)
+    return None if ok else _KINDS[base]
 
 
 def parse_config(raw: dict[str, Any], environ: Mapping[str, str] | None = None) -> GatewayConfig:

@@ -26,10 +26,26 @@ def test_example_config_parses():
     ({"slo": {"ttft_ms": -5}}, "positive"),
     ({"embedded": {"prefill": 1, "decode": 0}}, "pairs"),
     ({"tokenizer": "hf"}, "tokenizer_path"),
+    # each key's type, from its field's annotation (a truthy "false" would have been obeyed as true)
+    ({"port": "8000"}, "config: port must be an integer, got '8000'"),
+    ({"early_rejection": "false"}, "early_rejection must be true or false"),
+    ({"admission": 1}, "admission must be true or false"),
+    ({"policy": 3}, "policy must be a string"),
+    ({"policy_params": 5}, "policy_params must be a table"),
+    ({"telemetry_path": 7}, "telemetry_path must be a string"),
+    ({"embedded": {"prefill": "2"}}, "embedded: prefill must be an integer"),
+    ({"engines": [{"id": "a", "role": "both", "url": "http://x", "max_model_len": 1.5}]},
+     r"engines\[0\]: max_model_len must be an integer"),
+    ({"store": {"timeout_s": "soon"}}, "store: timeout_s must be a number"),
 ])
 def test_bad_config_is_one_clear_error(raw, words):
     with pytest.raises(ConfigError, match=words):
         parse_config(raw)
+
+
+def test_numbers_and_absent_values_keep_their_types():
+    cfg = parse_config({"health_interval_s": 1, "telemetry_path": None, "embedded": {"time_scale": 2}})
+    assert cfg.health_interval_s == 1 and cfg.telemetry_path is None and cfg.embedded.time_scale == 2
 
 
 def test_unreadable_and_malformed_files(tmp_path):
