@@ -155,7 +155,9 @@ class GatewayConfig:
     priority_headroom: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_PRIORITY_HEADROOM))
 
 
-def _take(section: dict[str, Any], cls, where: str):
+def _take(section: Any, cls, where: str):
+    if not isinstance(section, dict):
+        raise ConfigError(f"{where}: expected a table, got {section!r}")
     known = set(cls.__dataclass_fields__)
     unknown = set(section) - known
     if unknown:
@@ -196,7 +198,10 @@ def _kind(hint: Any, value: Any) -> str | None:
 
 def parse_config(raw: dict[str, Any], environ: Mapping[str, str] | None = None) -> GatewayConfig:
     raw = dict(raw)
-    engines = [_take(dict(e), EngineConfig, f"engines[{i}]") for i, e in enumerate(raw.pop("engines", []))]
+    engines_raw = raw.pop("engines", [])
+    if not isinstance(engines_raw, list):
+        raise ConfigError("engines: expected a list of tables, [[engines]]")
+    engines = [_take(e, EngineConfig, f"engines[{i}]") for i, e in enumerate(engines_raw)]
     embedded_raw = raw.pop("embedded", None)
     slo_raw = raw.pop("slo", None)
     prior_raw = raw.pop("prior", None)
@@ -209,6 +214,8 @@ def parse_config(raw: dict[str, Any], environ: Mapping[str, str] | None = None) 
         raise ConfigError(str(e)) from None
     cfg.engines = engines
     if slo_raw is not None:
+        if not isinstance(slo_raw, dict):
+            raise ConfigError(f"slo: expected a table (ttft_ms, tbt_ms), got {slo_raw!r}")
         unknown = set(slo_raw) - {"ttft_ms", "tbt_ms"}
         if unknown:
             raise ConfigError(f"slo: unknown key(s) {', '.join(sorted(unknown))}")

@@ -37,6 +37,10 @@ def test_example_config_parses():
     ({"engines": [{"id": "a", "role": "both", "url": "http://x", "max_model_len": 1.5}]},
      r"engines\[0\]: max_model_len must be an integer"),
     ({"store": {"timeout_s": "soon"}}, "store: timeout_s must be a number"),
+    ({"slo": 5}, "slo: expected a table"),
+    ({"embedded": 5}, "embedded: expected a table"),
+    ({"engines": 5}, "engines: expected a list of tables"),
+    ({"engines": [5]}, r"engines\[0\]: expected a table"),
 ])
 def test_bad_config_is_one_clear_error(raw, words):
     with pytest.raises(ConfigError, match=words):
