@@ -37,6 +37,12 @@ _END_SEQ = -1
 _POLLIN = int(zmq.POLLIN)  # a plain int: ``EVENTS & zmq.POLLIN`` builds an enum member per batch
 
 
+def _has_batch(sub: zmq.Socket) -> bool:
+    """Whether a batch is queued; reading ZMQ_EVENTS also makes the socket process its commands
+    (pyzmq types the option's value int | bytes: this one is an int)."""
+    return bool(cast(int, sub.getsockopt(zmq.EVENTS)) & _POLLIN)
+
+
 def _wake(fut: asyncio.Future) -> None:
     if not fut.done():
         fut.set_result(None)
@@ -175,7 +181,7 @@ class KVEventSubscriber:
                 # the socket processes its commands; reading ZMQ_EVENTS does that, and the bounded
                 # wait makes sure it happens even when the FD edge fired while we were busy
                 # (libzmq #2267)
-                if not cast(int, sub.getsockopt(zmq.EVENTS)) & _POLLIN and not await self._queued(loop, sub, 0.1):
+                if not _has_batch(sub) and not await self._queued(loop, sub, 0.1):
                     if time.monotonic() - self._last_heard > self.idle_probe_s:
                         # a lost batch is otherwise noticed only when a later one arrives, and a
                         # quiet engine may send none (batches published before our subscription
@@ -199,7 +205,7 @@ class KVEventSubscriber:
         """The socket's FD signalled. ZMQ's FD is edge-like (it signals a change, not a level)
         and stays readable until the socket processes its commands: reading EVENTS does that (or
         the loop would call this again and again), and says whether a batch is queued."""
-        if cast(int, sub.getsockopt(zmq.EVENTS)) & _POLLIN and self._waiter is not None:
+        if _has_batch(sub) and self._waiter is not None:
             _wake(self._waiter)
 
     async def _queued(self, loop: asyncio.AbstractEventLoop, sub: zmq.Socket, timeout_s: float) -> bool:
@@ -211,7 +217,7 @@ class KVEventSubscriber:
         finally:
             self._waiter = None
             timer.cancel()
-        return bool(cast(int, sub.getsockopt(zmq.EVENTS)) & _POLLIN)
+        return _has_batch(sub)
 
     async def _on_batch(self, seq: int, payload: bytes) -> None:
         if seq < self._live_last:  # live batches from one publisher are ordered: it restarted

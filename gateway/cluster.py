@@ -38,10 +38,12 @@ def build_scheduler(cfg: GatewayConfig, engines: list[EngineConfig]) -> Schedule
     """The scheduler for these engines, predicting from their public deployments and the
     configured prior; a bad policy, parameter or deployment raises ValueError."""
     params = dict(cfg.policy_params)
-    for name in sorted(SCHEDULER_ARGS & params.keys()):
-        if name == "late_rejection":  # a refusal after the prefill, which no driver acts on
-            raise ValueError("late_rejection is an experiment of `conductor simulate` (--late-rejection): the "
-                             "gateway's drivers open the decode leg once the prefill is done")
+    clash = sorted(SCHEDULER_ARGS & params.keys())
+    if "late_rejection" in clash:  # a refusal after the prefill, which no driver acts on
+        raise ValueError("late_rejection is an experiment of `conductor simulate` (--late-rejection): the "
+                         "gateway's drivers open the decode leg once the prefill is done")
+    if clash:
+        name = clash[0]
         where = f"the configuration's top-level {name!r}" if name in GatewayConfig.__dataclass_fields__ \
             else "the gateway sets it"
         raise ValueError(f"{name} is the scheduler's own setting, not a policy parameter ({where})")

@@ -342,7 +342,6 @@ class OpenAIApi:
         """Pull the prompt's KV when the request asks (PD decode side), run it, answer it."""
         rid = rid or self._request_id(request)
         kv = g.kv if g.kv is not None and g.kv.do_remote_prefill else None  # what the pull names
-        remote = kv is not None
         if kv is not None:
             try:
                 meta = await self.puller.pull(kv)
@@ -360,9 +359,9 @@ class OpenAIApi:
                 return error_response(409, f"the prefill instance holds KV for {meta.get('num_tokens')} tokens but "
                                            f"this prompt has {len(g.prompt)}", "kv_transfer_params", echo)
         req = SimRequest(rid, g.prompt, g.max_tokens, output_len=g.max_tokens if g.ignore_eos else None,
-                         hold_kv=bool(g.kv and g.kv.do_remote_decode), remote_kv=remote, cache_salt=g.cache_salt,
-                         lora_name=g.lora, block_hashes=g.block_hashes)
-        if self.store is not None and not remote:  # (a salt or adapter: the namespace's own keys)
+                         hold_kv=bool(g.kv and g.kv.do_remote_decode), remote_kv=kv is not None,
+                         cache_salt=g.cache_salt, lora_name=g.lora, block_hashes=g.block_hashes)
+        if self.store is not None and kv is None:  # (a salt or adapter: the namespace's own keys)
             req.store_blocks, req.store_fetched, req.store_load_s = await self.store.prefetch(
                 g.prompt, g.cache_salt or None, req.lora_name or None)
         try:
