@@ -16,6 +16,9 @@ import sys
 import pytest
 
 slow = pytest.mark.slow  # ~45 s in all: one live run of 60 requests at time scale 4, then simulations
+# alone, never beside another xdist worker: at time scale 4 a busy neighbour's host delays flip near-ties
+# early in the live run, and its placements then follow another path (CI stop 36: 75% same up to a renaming)
+pytestmark = pytest.mark.serial
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
