@@ -14,11 +14,13 @@ from engines_adapters.sim.profiles import load_profile
 from engines_adapters.sim.timing import chunk_ctx
 from loadgen.arrivals import sped_up
 from loadgen.simulate.bound import (
+    Segments,
     attainment_bound,
     decode_work,
     lp_bound,
     prefill_wall,
     shared_prefixes,
+    shared_segments,
     step_costs,
 )
 from loadgen.simulate.cluster import ClusterSpec, SchedulerSpec
@@ -82,6 +84,54 @@ def test_shared_prefixes_earlier_and_within_the_deadline():
     assert earlier == [0, 2, 1]
     assert window == [2, 2, 1]  # a may reuse b's prefix (b arrives before a's deadline)
     assert holders == [[], [(2, 0)], [(1, 0)]]
+
+
+def test_shared_segments_cut_a_holders_tokens_where_later_prefixes_end():
+    # a holds blocks 1-4 first; b shares its first two, c its first three (16-token blocks)
+    a, b, c = [1, 2, 3, 4], [1, 2, 9], [1, 2, 3, 7]
+    earlier, _, holders = shared_prefixes([a, b, c], [0.0, 1.0, 2.0], [5.0, 6.0, 7.0])
+    private, segments, needs, chain = shared_segments([64, 48, 64], earlier, holders, 16)
+    assert segments == [(0, 0, 32), (0, 32, 48)]  # a's tokens 0-31 (b and c need them), 32-47 (c)
+    assert private == [48, 32, 48]  # each request's own work starts there
+    assert sorted(needs) == [(0, 1), (1, 0), (2, 1)]  # a needs all of its shared tokens
+    assert chain == [(1, 0)]  # needing 32-47 needs 0-31
+
+
+def _segments(starts, ends, work, needs, chain=()):
+    return Segments(np.array(starts, float), np.array(ends, float), np.array(work, float),
+                    np.array(needs, np.int64).reshape(-1, 2), np.array(chain, np.int64).reshape(-1, 2))
+
+
+def test_lp_pays_a_shared_segment_once_for_whoever_needs_it():
+    # h and its follow-up i share a 2 s prefix; a and b take 1 s each; one instance, 2 s
+    arrivals, ends = np.zeros(4), np.full(4, 2.0)
+    first_holder = lp_bound(arrivals, ends, np.array([2.0, 0.0, 1.0, 1.0]), 1, 1.0)
+    assert first_holder["optimum"] == pytest.approx(3.0)  # i served free, its prefix never computed
+    once = lp_bound(arrivals, ends, np.array([0.0, 0.0, 1.0, 1.0]), 1, 1.0,
+                    shared=_segments([0.0], [2.0], [2.0], [(0, 0), (1, 0)]))
+    assert once["optimum"] == pytest.approx(2.0)  # the prefix (h and i) or a and b
+    # a request needing a chain's second segment needs the first: 1.5 s for 2 s of prefix
+    one = np.zeros(1)
+    chained = lp_bound(one, np.full(1, 1.5), one, 1, 0.5,
+                       shared=_segments([0.0, 0.0], [1.5, 1.5], [1.0, 1.0], [(0, 1)], [(1, 0)]))
+    assert chained["optimum"] == pytest.approx(0.75)
+    unchained = lp_bound(one, np.full(1, 1.5), one, 1, 0.5, shared=_segments([0.0, 0.0], [1.5, 1.5], [1.0, 1.0],
+                                                                              [(0, 1)]))
+    assert unchained["optimum"] == pytest.approx(1.0)
+
+
+def test_a_refused_holders_prefix_is_not_free_to_its_follow_up():
+    """A 20k-token prompt, a follow-up extending it and 30 distinct 2k-token prompts at once, one
+    instance, TTFT 5 s: the first-holder accounting serves the follow-up for its last block alone;
+    paid once, it costs the prefix, and the bound is the lower of the two."""
+    prof = load_profile(GAP)
+    h = list(range(1, 1251))
+    blocks = [(20000, h), (20016, [*h, 5000])] + [(2000, list(range(10**6 * k, 10**6 * k + 125))) for k in range(1, 31)]
+    r = attainment_bound([0.0] * len(blocks), blocks, prof, prefill=1, ttft_s=5.0)
+    acc = r["accounting"]
+    assert acc["paid_once"] < acc["first_holder"] - 0.5 / len(blocks)
+    assert r["attainment_bound"] == min(acc.values())
+    assert r["x"][0] == pytest.approx(0.0, abs=1e-9) and r["x"][1] == pytest.approx(0.0, abs=1e-9)
 
 
 @pytest.mark.parametrize("name", ["llama3-70b-a800x8-gap", "llama3-8b-h200-gap", "llama3-70b-a800x8"])
@@ -177,6 +227,7 @@ def test_no_simulated_policy_beats_the_bound(conversation, noise):
         assert done, "the run served nothing: the check would be empty"
         assert all(r.ttft_s >= b["least_ttft_s"][index[r.request_id]] for r in done)
         attained = sum(r.meets(slo) for r in run.records) / len(conversation.requests)
-        assert 0 < attained <= b["attainment_bound"]
+        assert 0 < attained <= b["attainment_bound"] == min(b["accounting"].values())
+        assert set(b["accounting"]) == {"first_holder", "paid_once"}  # the slice shares prefixes
         both = sum(r.meets(SLO(5.0, 0.2)) for r in run.records) / len(conversation.requests)
         assert 0 < both <= with_decode["attainment_bound"] <= b["attainment_bound"] + 1e-9

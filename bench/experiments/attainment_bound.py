@@ -24,6 +24,7 @@ from loadgen.simulate.cli import build_parser  # noqa: E402
 from loadgen.simulate.reuse import prompt_blocks  # noqa: E402
 from loadgen.sweep import workload_at  # noqa: E402
 from loadgen.workload_args import workload_from_args  # noqa: E402
+from predictors.cli_args import CLIError  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
@@ -34,7 +35,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("simulate", nargs=argparse.REMAINDER, help="-- then the `conductor simulate` flags")
     a = p.parse_args(argv)
     sim = build_parser().parse_args([x for x in a.simulate if x != "--"] + ["--out", "/nonexistent"])
-    w = workload_from_args(sim, lambda m: print(m, file=sys.stderr))
+    try:
+        w = workload_from_args(sim, lambda m: print(m, file=sys.stderr))
+    except CLIError as e:
+        p.error(str(e))
     if w.slo.ttft_s is None:
         p.error("the simulate flags need --slo-ttft-ms")
     if sim.both:
@@ -61,8 +65,9 @@ def main(argv: list[str]) -> int:
             b = attainment_bound(arrivals, blocks, profile, prefill=sim.prefill, ttft_s=w.slo.ttft_s,
                                  block_size=sim.block_size, budget=sim.max_num_batched_tokens, noise_sigma=sigma,
                                  noise_z=z, decode=decode, outputs=outputs, tbt_s=w.slo.tbt_s)
+            acc = ", ".join(f"{k.replace('_', ' ')} {v:.4f}" for k, v in b["accounting"].items())
             line = (f"{pools:>16}, steps at -{z:g} sigma: bound {b['attainment_bound']:.4f} "
-                    f"(unreachable {b['unreachable']}; LP {b['lp']['variables']} variables, "
+                    f"({acc}; unreachable {b['unreachable']}; LP {b['lp']['variables']} variables, "
                     f"{b['lp']['solve_s']:.1f} s)")
             if measured is not None:
                 ratio = b["attainment_bound"] / measured if measured else math.inf

@@ -75,6 +75,18 @@ def headroom(r: dict[str, Any]) -> str:
     return f"{(r['conductor'] - r['best_attainment']) / room:.0%}" if room > 0.005 else "-"
 
 
+def accountings(b: dict[str, Any]) -> str:
+    """The two accountings' bounds (bound.py), the lower in bold; '-' without shared prefixes."""
+    acc = b.get("accounting", {})
+    if len(acc) < 2:
+        return "-"
+    first, once = acc["first_holder"], acc["paid_once"]
+
+    def show(v: float, other: float) -> str:
+        return f"**{C.pct(v)}**" if v < other else C.pct(v)
+    return f"{show(first, once)} / {show(once, first)}"
+
+
 def bound_points(a: argparse.Namespace, measured: dict[str, Any]) -> list[dict[str, Any]]:
     profile = load_profile(measured["profile"])
     spec = dataclasses.replace(C.cluster(measured["prefill"], measured["decode"]), profile=measured["profile"])
@@ -127,12 +139,13 @@ def render(rows: list[dict[str, Any]], a: argparse.Namespace, measured: dict[str
     f = math.exp(-a.noise_z * sigma)
     table = C.md_table(
         ["workload", "TTFT SLO", "load", "offered req/s", "unreachable (any policy)", "reachable share",
-         "attainment bound", f"bound, steps at -{a.noise_z:g} sigma", "best other (measured)", "conductor (measured)",
+         "attainment bound", "first holder / paid once", f"bound, steps at -{a.noise_z:g} sigma",
+         "best other (measured)", "conductor (measured)",
          "ceiling: bound / best other", f"ceiling at -{a.noise_z:g} sigma", "conductor / bound",
          "conductor's share of the headroom", "1.2x"],
         [[r["workload"], f"{r['ttft_s']:g} s", r["load_label"], f"{r['offered_rps']:.1f}",
           f"{r['mean']['unreachable']} ({r['noisy']['unreachable']})", C.pct(r["mean"]["reachable_bound"]),
-          C.pct(r["mean"]["attainment_bound"]), C.pct(r["noisy"]["attainment_bound"]),
+          C.pct(r["mean"]["attainment_bound"]), accountings(r["mean"]), C.pct(r["noisy"]["attainment_bound"]),
           f"{C.pct(r['best_attainment'])} ({r['best']})", C.pct(r["conductor"]), f"**{r['ceiling_mean']:.2f}x**",
           f"{r['ceiling_noisy']:.2f}x", f"{r['conductor'] / r['mean']['attainment_bound']:.2f}", headroom(r),
           verdict(r["ceiling_mean"], r["ceiling_noisy"])] for r in rows])
@@ -175,9 +188,13 @@ it:
 - *Capacity*: a slot LP (HiGHS; slot = SLO / {a.slots_per_slo}) over the {measured['prefill']} prefill
   instances: each request's least prefill work (every token at the engine's best per-token
   efficiency: a full {C.cluster().engine['max_num_batched_tokens']}-token step, attention at its
-  most diluted; tokens shared with an earlier arrival free), done only in slots overlapping
-  [arrival, deadline - least hand-over], at most one slot's worth per slot; served fractions
-  maximised. Bound = LP optimum / requests sent.
+  most diluted), done only in slots overlapping [arrival, deadline - least hand-over], at most one
+  slot's worth per slot; served fractions maximised. Tokens shared with an earlier arrival are costed
+  two ways, each a relaxation: *first holder*, free to later requests, each block paid by its first
+  holder in proportion to that holder's own served fraction (so a refused holder's prefix costs no
+  one); *paid once*, a block computed at least once if any request holding it is served, within
+  [its first holder's arrival, the last such request's window end], as a job of its own that every
+  request needing it waits on. Bound = the lower LP optimum / requests sent.
 - Left out (each only raises the bound): decode capacity and TBT, KV capacity and eviction,
   queueing behind a running step, network contention, the engine's first-come-first-served order.
 - Noise: the engine multiplies each step by exp(N(0, sigma)), sigma {sigma:.4f}, which has no hard

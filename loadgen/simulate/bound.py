@@ -11,8 +11,16 @@ predictor: it never serves a decision). Three parts, each never above the truth:
   with the long-context slowdown at its floor (the most diluted step), plus the least a sampled
   sequence adds. Per token and additive, so batching cannot beat it: a step's duration is at least
   the sum of its tokens' shares (tests check this against the step timer). Tokens shared with an
-  *earlier* request are free (unbounded cache): each block is paid by the first arrival holding
-  it, and if a later arrival computed it first the work still lies in the first one's window.
+  *earlier* request are free (unbounded cache), costed two ways, each a relaxation; the bound is
+  the lower optimum. *First holder*: each block is paid by the first arrival holding it, in its
+  window, in proportion to its own x (if a later arrival computed it first, that was still within
+  the first one's window if the first was served). *Paid once* (``shared_segments``): a block is
+  computed at least once if any request holding it is served, by whoever, between its first
+  holder's arrival and the last such request's window end; a holder's first-held tokens are cut
+  into segments where later requests' shared prefixes end, each segment a job of its own with
+  x_i <= z_segment for every request needing it. The first is the looser where a refused
+  request's prefix feeds served ones (their prefix costs no one anything); the second where one
+  prefix feeds many (its window spans all of theirs).
 * **Reachability** (``prefill_end``, ``handover_s``): the least time from arrival to first
   token. Blocks no earlier arrival holds were in no cache before the arrival, and whoever computes
   them (this request, or a later arrival with the same prefix) does so chunk after chunk in prefix
@@ -211,54 +219,124 @@ def prefill_end(c: StepCosts, i: int, prompts: list[int], arrivals: list[float],
 Pool = tuple[np.ndarray, np.ndarray, np.ndarray, int]
 
 
+@dataclass(frozen=True)
+class Segments:
+    """Shared prefix work paid once (``shared_segments``): each segment a job of the prefill pool with
+    its own window and work, its served fraction z; a request is served no more than each segment
+    it needs (``needs``: (request, segment)), and a chain's later segment no more than the one
+    before it (``chain``: (segment, previous segment))."""
+
+    starts: np.ndarray
+    ends: np.ndarray
+    work: np.ndarray
+    needs: np.ndarray  # (k, 2) int
+    chain: np.ndarray  # (k, 2) int
+
+
 def lp_bound(arrivals: np.ndarray, ends: np.ndarray, work: np.ndarray, instances: int, slot_s: float,
-             decode: Pool | None = None) -> dict[str, Any]:
+             decode: Pool | None = None, shared: Segments | None = None) -> dict[str, Any]:
     """max sum x_i over the slot LP of the module docstring. ``ends``: the latest prefill end
     (deadline - least hand-over); a request with ``ends <= arrivals`` or infinite work gets x = 0.
     ``decode``: a second pool (its own windows, work and instances) every served request also
-    needs, in the same proportion x_i."""
+    needs, in the same proportion x_i. ``shared``: segments of prefill work (their own served
+    fractions, after the requests' in x) that requests need."""
     n = len(arrivals)
-    pools: list[Pool] = [(arrivals, ends, work, instances)] + ([decode] if decode is not None else [])
+    s = len(shared.starts) if shared is not None else 0
+    jobs = n + s
+    empty = np.zeros(s)
+    # per pool: (starts, ends, work, instances, member); segments are prefill work only
+    pools = [(np.concatenate([arrivals, shared.starts]) if shared is not None else arrivals,
+              np.concatenate([ends, shared.ends]) if shared is not None else ends,
+              np.concatenate([work, shared.work]) if shared is not None else work, instances,
+              np.ones(jobs, dtype=bool))]
+    if decode is not None:
+        d0, d1, dw, di = decode
+        pools.append((np.concatenate([d0, empty]), np.concatenate([d1, empty]), np.concatenate([dw, empty]), di,
+                      np.arange(jobs) < n))
     t0 = float(arrivals.min()) if n else 0.0
-    ok = np.ones(n, dtype=bool)
-    for starts, e, w, _ in pools:
-        ok &= (e > starts) & np.isfinite(w)
+    ok = np.ones(jobs, dtype=bool)
+    for starts, e, w, _, member in pools:
+        ok &= ~member | ((e > starts) & np.isfinite(w))
     eq_r, eq_c, eq_v, ub_r, ub_c, caps, ys_hi = [], [], [], [], [], [], []
     ny = slots_before = 0
-    for p, (starts, e, w, inst) in enumerate(pools):
+    for p, (starts, e, w, inst, member) in enumerate(pools):
         lo = np.floor((starts - t0) / slot_s).astype(np.int64)
-        hi = np.where(ok, np.ceil((e - t0) / slot_s).astype(np.int64), lo)  # slots lo..hi-1 overlap the window
+        # slots lo..hi-1 overlap the window
+        hi = np.where(ok & member, np.ceil((e - t0) / slot_s).astype(np.int64), lo)
         counts = np.maximum(hi - lo, 0)
         m = int(counts.sum())
-        slots = int(hi.max()) if n else 0
-        owner = np.repeat(np.arange(n), counts)
+        slots = int(hi.max()) if jobs else 0
+        owner = np.repeat(np.arange(jobs), counts)
         slot = np.concatenate([np.arange(a, b) for a, b in zip(lo, hi, strict=True)]) if m else np.zeros(0, np.int64)
-        y = n + ny + np.arange(m)
-        # equality (row p*n + i): sum_t y_it - work_i x_i = 0
-        eq_r += [p * n + owner, p * n + np.arange(n)]
-        eq_c += [y, np.arange(n)]
-        eq_v += [np.ones(m), -np.where(ok, w, 0.0)]
+        y = jobs + ny + np.arange(m)
+        # equality (row p*jobs + j): sum_t y_jt - work_j x_j = 0
+        eq_r += [p * jobs + owner, p * jobs + np.arange(jobs)]
+        eq_c += [y, np.arange(jobs)]
+        eq_v += [np.ones(m), -np.where(ok & member, w, 0.0)]
         ub_r.append(slots_before + slot)
         ub_c.append(y)
         caps.append(np.full(slots, inst * slot_s))
-        # a request works in a slot at most while its window overlaps it (one instance at a time)
+        # a job works in a slot at most while its window overlaps it (one instance at a time)
         overlap = (np.minimum(t0 + (slot + 1) * slot_s, e[owner]) - np.maximum(t0 + slot * slot_s, starts[owner])
                    if m else np.zeros(0))
         ys_hi.append(np.clip(overlap, 0.0, slot_s))
         ny += m
         slots_before += slots
     a_eq = csr_matrix((np.concatenate(eq_v), (np.concatenate(eq_r), np.concatenate(eq_c))),
-                      shape=(n * len(pools), n + ny))
-    a_ub = csr_matrix((np.ones(ny), (np.concatenate(ub_r), np.concatenate(ub_c))), shape=(slots_before, n + ny))
-    bounds = np.column_stack([np.zeros(n + ny), np.concatenate([ok.astype(float), *ys_hi])])
+                      shape=(jobs * len(pools), jobs + ny))
+    rows, cols, vals = [np.concatenate(ub_r)], [np.concatenate(ub_c)], [np.ones(ny)]
+    links = 0
+    if shared is not None:
+        # x_i - z_k <= 0 (a request needs its segments), z_k - z_prev <= 0 (a chain is needed as a prefix)
+        pairs = np.concatenate([np.column_stack([shared.needs[:, 0], n + shared.needs[:, 1]]),
+                                n + shared.chain]).reshape(-1, 2).astype(np.int64)
+        links = len(pairs)
+        r = slots_before + np.arange(links)
+        rows += [r, r]
+        cols += [pairs[:, 0], pairs[:, 1]]
+        vals += [np.ones(links), -np.ones(links)]
+    a_ub = csr_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))),
+                      shape=(slots_before + links, jobs + ny))
+    bounds = np.column_stack([np.zeros(jobs + ny), np.concatenate([ok.astype(float), *ys_hi])])
     t = time.perf_counter()
-    res = linprog(np.concatenate([-np.ones(n), np.zeros(ny)]), A_ub=a_ub, b_ub=np.concatenate(caps),
-                  A_eq=a_eq, b_eq=np.zeros(n * len(pools)), bounds=bounds, method="highs")
+    res = linprog(np.concatenate([-np.ones(n), np.zeros(s + ny)]), A_ub=a_ub,
+                  b_ub=np.concatenate([*caps, np.zeros(links)]),
+                  A_eq=a_eq, b_eq=np.zeros(jobs * len(pools)), bounds=bounds, method="highs")
     solve_s = time.perf_counter() - t
     if res.status != 0:
         raise RuntimeError(f"the bound's LP failed: {res.message}")
-    return {"optimum": -float(res.fun), "x": res.x[:n], "variables": n + ny,
-            "constraints": n * len(pools) + slots_before, "slots": slots_before, "solve_s": solve_s}
+    return {"optimum": -float(res.fun), "x": res.x[:n], "variables": jobs + ny,
+            "constraints": jobs * len(pools) + slots_before + links, "slots": slots_before, "solve_s": solve_s}
+
+
+def shared_segments(prompts: list[int], earlier: list[int], holders: list[list[tuple[int, int]]],
+                    block_size: int) -> tuple[list[int], list[tuple[int, int, int]], list[tuple[int, int]],
+                                                list[tuple[int, int]]]:
+    """Cut each request's first-held tokens (from its earlier-shared prefix on) where a later
+    request's shared prefix ends. Returns each request's private start (the tokens from it on are
+    its own work), the segments (holder, first token, end token), the needs (request, last
+    segment it needs of a holder's chain) and the chain links (segment, the one before it)."""
+    cuts: list[set[int]] = [set() for _ in prompts]
+    for runs in holders:
+        for end, h in runs:
+            cuts[h].add(end * block_size)
+    segments: list[tuple[int, int, int]] = []
+    last: dict[tuple[int, int], int] = {}  # (holder, end token) -> the segment ending there
+    chain: list[tuple[int, int]] = []
+    private = []
+    for h, cs in enumerate(cuts):
+        lo = earlier[h] * block_size
+        for k, cut in enumerate(sorted(cs)):
+            assert cut > lo, "a later request shares a holder's first-held blocks from their start"
+            if k:
+                chain.append((len(segments), len(segments) - 1))
+            last[(h, cut)] = len(segments)
+            segments.append((h, lo, cut))
+            lo = cut
+        private.append(lo)
+    needs = [(i, last[(h, end * block_size)]) for i, runs in enumerate(holders) for end, h in runs]
+    needs += [(h, last[(h, max(cs))]) for h, cs in enumerate(cuts) if cs]
+    return private, segments, needs, chain
 
 
 def attainment_bound(arrivals: list[float], blocks: list[tuple[int, list[int]]], profile: Profile, *, prefill: int,
@@ -268,7 +346,8 @@ def attainment_bound(arrivals: list[float], blocks: list[tuple[int, list[int]]],
     """The bound for requests arriving at ``arrivals`` with prompts ``blocks`` (``list(reuse.prompt_blocks(...))``)
     on ``prefill`` instances of ``profile``; ``x``: the LP's served fraction per request. With
     ``decode`` instances, ``outputs`` (tokens per request) and the TBT SLO ``tbt_s``, it bounds the
-    attainment of both SLOs: the decode pool joins the LP."""
+    attainment of both SLOs: the decode pool joins the LP. Shared prefixes are costed both ways of
+    the module docstring (``accounting``: each LP's optimum / n); the bound is the lower."""
     if decode and (outputs is None or tbt_s is None or len(outputs) != len(blocks)):
         raise ValueError("a decode pool needs every request's output tokens and the TBT SLO")
     c = step_costs(profile, budget)
@@ -278,6 +357,7 @@ def attainment_bound(arrivals: list[float], blocks: list[tuple[int, list[int]]],
     arr = np.asarray(arrivals, dtype=float)
     deadlines = arr + ttft_s
     earlier, window, holders = shared_prefixes([h for _, h in blocks], list(arr), list(deadlines))
+    own, segments, needs, chain = shared_segments(prompts, earlier, holders, block_size)
     work, ends, least = [], [], []
     times = [float(t) for t in arr]
     for i, p in enumerate(prompts):
@@ -295,12 +375,40 @@ def attainment_bound(arrivals: list[float], blocks: list[tuple[int, list[int]]],
         out = np.asarray(outputs, dtype=float)
         pool = (arr + np.minimum(np.array(least), ttft_s), deadlines + np.maximum(out - 1, 0) * tbt_s,
                 np.array([f * decode_work(c, p, o) for p, o in zip(prompts, outputs, strict=True)]), decode)
-    lp = lp_bound(arr, np.array(ends), np.array(work), prefill, ttft_s / slots_per_slo, decode=pool)
+    e, w, slot = np.array(ends), np.array(work), ttft_s / slots_per_slo
+    lps = {"first_holder": lp_bound(arr, e, w, prefill, slot, decode=pool)}
+    if segments:  # the same requests' private work, their shared prefixes as segments
+        mine = np.array([x if not math.isfinite(x) else f * prefill_work(c, p, o)
+                         for x, p, o in zip(work, prompts, own, strict=True)])
+        lps["paid_once"] = lp_bound(arr, e, mine, prefill, slot, decode=pool,
+                                    shared=_segment_jobs(c, f, arr, e, w, segments, needs, chain))
+    lp = min(lps.values(), key=lambda r: r["optimum"])
     n = len(prompts)
     unreachable = sum(not math.isfinite(w) for w in work)
     return {"requests": n, "ttft_s": ttft_s, "noise_z": noise_z, "noise_factor": f, "unreachable": unreachable,
             "reachable_bound": (n - unreachable) / n if n else None,
             "attainment_bound": lp["optimum"] / n if n else None,
+            "accounting": {k: r["optimum"] / n for k, r in lps.items()} if n else {},
             "work_s": float(sum(w for w in work if math.isfinite(w))), "capacity_s": prefill * (
                 float(arr.max() - arr.min()) + ttft_s) if n else 0.0,
-            "lp": {k: v for k, v in lp.items() if k != "x"}, "x": lp["x"], "least_ttft_s": least}
+            "lp": {**{k: v for k, v in lp.items() if k != "x"}, "solve_s": sum(r["solve_s"] for r in lps.values())},
+            "x": lp["x"], "least_ttft_s": least}
+
+
+def _segment_jobs(c: StepCosts, f: float, arr: np.ndarray, ends: np.ndarray, work: np.ndarray,
+                  segments: list[tuple[int, int, int]], needs: list[tuple[int, int]],
+                  chain: list[tuple[int, int]]) -> Segments:
+    """The segments as LP jobs: from their holder's arrival (no one held the tokens before) to the
+    last end of a reachable request needing them (whoever computes them, it is done by then)."""
+    reach = np.isfinite(work) & (ends > arr)
+    starts = np.array([arr[h] for h, _, _ in segments])
+    last = np.full(len(segments), -math.inf)
+    for i, k in needs:
+        if reach[i]:
+            last[k] = max(last[k], ends[i])
+    for k, prev in reversed(chain):  # needing a segment needs every one before it in its chain
+        last[prev] = max(last[prev], last[k])
+    return Segments(starts=starts, ends=np.maximum(last, starts),
+                    work=np.array([f * ((hi - lo) * c.token_s + c.ctx_s * ctx_sum(hi, lo)) for _, lo, hi in segments]),
+                    needs=np.array(needs, dtype=np.int64).reshape(-1, 2),
+                    chain=np.array(chain, dtype=np.int64).reshape(-1, 2))
