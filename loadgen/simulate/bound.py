@@ -241,14 +241,15 @@ def lp_bound(arrivals: np.ndarray, ends: np.ndarray, work: np.ndarray, instances
     needs, in the same proportion x_i. ``shared``: segments of prefill work (their own served
     fractions, after the requests' in x) that requests need."""
     n = len(arrivals)
-    s = len(shared.starts) if shared is not None else 0
+    if shared is None:
+        none = np.zeros(0)
+        shared = Segments(none, none, none, np.zeros((0, 2), np.int64), np.zeros((0, 2), np.int64))
+    s = len(shared.starts)
     jobs = n + s
     empty = np.zeros(s)
     # per pool: (starts, ends, work, instances, member); segments are prefill work only
-    pools = [(np.concatenate([arrivals, shared.starts]) if shared is not None else arrivals,
-              np.concatenate([ends, shared.ends]) if shared is not None else ends,
-              np.concatenate([work, shared.work]) if shared is not None else work, instances,
-              np.ones(jobs, dtype=bool))]
+    pools = [(np.concatenate([arrivals, shared.starts]), np.concatenate([ends, shared.ends]),
+              np.concatenate([work, shared.work]), instances, np.ones(jobs, dtype=bool))]
     if decode is not None:
         d0, d1, dw, di = decode
         pools.append((np.concatenate([d0, empty]), np.concatenate([d1, empty]), np.concatenate([dw, empty]), di,
@@ -284,18 +285,13 @@ def lp_bound(arrivals: np.ndarray, ends: np.ndarray, work: np.ndarray, instances
         slots_before += slots
     a_eq = csr_matrix((np.concatenate(eq_v), (np.concatenate(eq_r), np.concatenate(eq_c))),
                       shape=(jobs * len(pools), jobs + ny))
-    rows, cols, vals = [np.concatenate(ub_r)], [np.concatenate(ub_c)], [np.ones(ny)]
-    links = 0
-    if shared is not None:
-        # x_i - z_k <= 0 (a request needs its segments), z_k - z_prev <= 0 (a chain is needed as a prefix)
-        pairs = np.concatenate([np.column_stack([shared.needs[:, 0], n + shared.needs[:, 1]]),
-                                n + shared.chain]).reshape(-1, 2).astype(np.int64)
-        links = len(pairs)
-        r = slots_before + np.arange(links)
-        rows += [r, r]
-        cols += [pairs[:, 0], pairs[:, 1]]
-        vals += [np.ones(links), -np.ones(links)]
-    a_ub = csr_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))),
+    # x_i - z_k <= 0 (a request needs its segments), z_k - z_prev <= 0 (a chain is needed as a prefix)
+    pairs = np.concatenate([np.column_stack([shared.needs[:, 0], n + shared.needs[:, 1]]),
+                            n + shared.chain]).reshape(-1, 2).astype(np.int64)
+    links = len(pairs)
+    r = slots_before + np.arange(links)
+    a_ub = csr_matrix((np.concatenate([np.ones(ny), np.ones(links), -np.ones(links)]),
+                       (np.concatenate([*ub_r, r, r]), np.concatenate([*ub_c, pairs[:, 0], pairs[:, 1]]))),
                       shape=(slots_before + links, jobs + ny))
     bounds = np.column_stack([np.zeros(jobs + ny), np.concatenate([ok.astype(float), *ys_hi])])
     t = time.perf_counter()
@@ -409,6 +405,6 @@ def _segment_jobs(c: StepCosts, f: float, arr: np.ndarray, ends: np.ndarray, wor
     for k, prev in reversed(chain):  # needing a segment needs every one before it in its chain
         last[prev] = max(last[prev], last[k])
     return Segments(starts=starts, ends=np.maximum(last, starts),
-                    work=np.array([f * ((hi - lo) * c.token_s + c.ctx_s * ctx_sum(hi, lo)) for _, lo, hi in segments]),
+                    work=np.array([f * (prefill_work(c, hi, lo) - c.sample_s) for _, lo, hi in segments]),
                     needs=np.array(needs, dtype=np.int64).reshape(-1, 2),
                     chain=np.array(chain, dtype=np.int64).reshape(-1, 2))
