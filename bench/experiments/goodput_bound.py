@@ -87,10 +87,20 @@ def accountings(b: dict[str, Any]) -> str:
     return f"{show(first, once)} / {show(once, first)}"
 
 
+def bounds_at(w: Any, spec: Any, profile: Any, blocks: list[Any], load: float, ttft_s: float, prefill: int,
+              noise_z: float, slots_per_slo: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The bound at one load and TTFT SLO: at the engine's mean step times, and with every step
+    ``noise_z`` standard deviations of its noise faster."""
+    arrivals = [q.arrival_s for q in sped_up(w, load).requests]
+    kw = dict(prefill=prefill, ttft_s=ttft_s, block_size=spec.block_size, budget=spec.engine["max_num_batched_tokens"],
+              noise_sigma=engine_sigma(profile, spec.noise), slots_per_slo=slots_per_slo)
+    return (attainment_bound(arrivals, blocks, profile, noise_z=0.0, **kw),
+            attainment_bound(arrivals, blocks, profile, noise_z=noise_z, **kw))
+
+
 def bound_points(a: argparse.Namespace, measured: dict[str, Any]) -> list[dict[str, Any]]:
     profile = load_profile(measured["profile"])
     spec = dataclasses.replace(C.cluster(measured["prefill"], measured["decode"]), profile=measured["profile"])
-    sigma = engine_sigma(profile, spec.noise)
     out = []
     for r in measured["results"]:
         name = r["workload"]
@@ -102,11 +112,8 @@ def bound_points(a: argparse.Namespace, measured: dict[str, Any]) -> list[dict[s
         print(f"== {name}: {len(blocks)} evaluation prompts hashed in {time.perf_counter() - t:.1f} s",
               file=sys.stderr, flush=True)
         for pt in r["points"]:
-            arrivals = [q.arrival_s for q in sped_up(w, pt["load"]).requests]
-            kw = dict(prefill=measured["prefill"], ttft_s=pt["ttft_s"], block_size=spec.block_size,
-                      budget=spec.engine["max_num_batched_tokens"], noise_sigma=sigma, slots_per_slo=a.slots_per_slo)
-            mean = attainment_bound(arrivals, blocks, profile, noise_z=0.0, **kw)
-            noisy = attainment_bound(arrivals, blocks, profile, noise_z=a.noise_z, **kw)
+            mean, noisy = bounds_at(w, spec, profile, blocks, pt["load"], pt["ttft_s"], measured["prefill"],
+                                    a.noise_z, a.slots_per_slo)
             runs = pt["runs"]
             best = runs[pt["best"]]["slo_attainment"]
             row = {"workload": name, "ttft_s": pt["ttft_s"], "load": pt["load"],

@@ -76,9 +76,11 @@ def settings(per_workload: bool) -> dict[str, str]:
             for r in saved["results"]}
 
 
-def evaluate(name: str, a: argparse.Namespace, setting: str) -> dict[str, Any]:
+def evaluate(name: str, a: argparse.Namespace, setting: str,
+             points: list[tuple[float, float]] | None = None) -> dict[str, Any]:
+    """conductor + defer with ``setting`` and the rivals per seed at ``points`` (default: deferral.md's)."""
     spec, _, w, _, model_dir = B.calibrated_world(name, a, "deferral")  # deferral.md's predictors and slices
-    points = D.POINTS[name] if a.all_points else SHORT[name]
+    points = points or (D.POINTS[name] if a.all_points else SHORT[name])
     labels = [(DEFERRED, "conductor", D.defer_params(setting)), *((p, p, {}) for p in others(name, a.all_others))]
     jobs = [(w, spec, policy, load, ttft, a.slo_tbt_ms, str(model_dir), params, seed)
             for ttft, load in points for _, policy, params in labels for seed in range(a.seeds)]
@@ -134,7 +136,8 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     C.save_figure(fig, path, dpi=90)
 
 
-def render(results: list[dict[str, Any]], command: str, setting: str, every: bool = False) -> str:
+def tables(results: list[dict[str, Any]]) -> str:
+    """The verdict per point (ratio per seed, mean, range), every run's mean and range, the prefix hits."""
     rows, prows = [], []
     for r in results:
         for pt in r["points"]:
@@ -150,8 +153,18 @@ def render(results: list[dict[str, Any]], command: str, setting: str, every: boo
             for k, v in pt["runs"].items():
                 prows.append([*lbl, f"**{k}**" if k == DEFERRED else k, C.pct(statistics.mean(v)),
                               f"{C.pct(min(v))}-{C.pct(max(v))}", f"{100 * (max(v) - min(v)):.1f}"])
+    return C.md_table(["workload", "TTFT SLO", "load", "conductor + defer per seed", "best other per seed",
+                       "ratio per seed", "ratio: mean (range)", "ratio of the means", "seeds at 1.2x or more"], rows) \
+        + """
+Every run, mean and range over the seeds (the spread is the largest minus the smallest attainment, in
+points):
+
+""" + C.md_table(["workload", "TTFT SLO", "load", "policy", "mean attainment", "range", "spread (points)"], prows) \
+        + hits_table(results)
+
+
+def render(results: list[dict[str, Any]], command: str, setting: str, every: bool = False) -> str:
     seeds = len(results[0]["points"][0]["runs"][DEFERRED])
-    hit_table = hits_table(results)
     own = [f"{r['workload']}: **{r['setting']}**" for r in results if r.get("setting", setting) != setting]
     named = "" if not own else (", except where a workload's own training slice prefers another "
                                 f"(deferral.md's per-workload table): {'; '.join(own)}")
@@ -173,13 +186,7 @@ ratios at equal offered load (= goodput ratios); "best other" is taken per seed.
 
 ![attainment and ratio per seed at each point](""" + FIGURE + """)
 
-""" + C.md_table(["workload", "TTFT SLO", "load", "conductor + defer per seed", "best other per seed",
-                  "ratio per seed", "ratio: mean (range)", "ratio of the means", "seeds at 1.2x or more"], rows) + """
-Every run, mean and range over the seeds (the spread is the largest minus the smallest attainment, in
-points):
-
-""" + C.md_table(["workload", "TTFT SLO", "load", "policy", "mean attainment", "range", "spread (points)"], prows) \
-        + hit_table
+""" + tables(results)
 
 
 #: a reuse bound below this (0.1% of the prompt tokens) means the trace has no prefix reuse to win
