@@ -59,6 +59,11 @@ DISCUSSION = """## Discussion
 """
 
 
+def load_label(name: str, load: float) -> str:
+    """A point's load as the pages print it: the synthetic workload's in requests/s, a trace's as its speed-up."""
+    return f"{SYNTH_RATE * load:g} req/s" if name == "synthetic" else f"{load:g}x"
+
+
 def synthetic(n: int, seed: int) -> Workload:
     """conductor-vs-baselines.md §3b: 4-turn conversations behind a shared 2048-token system
     prompt, gamma arrivals with cv 2."""

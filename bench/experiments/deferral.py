@@ -407,8 +407,7 @@ def tuning_table(results: list[dict[str, Any]]) -> str:
     return C.md_table(["workload (training slice)", "TTFT SLO", "load", *keys], trows)
 
 
-def load_label(name: str, load: float) -> str:
-    return f"{B.SYNTH_RATE * load:g} req/s" if name == "synthetic" else f"{load:g}x"
+load_label = B.load_label
 
 
 def floor_only(a: argparse.Namespace) -> str:

@@ -174,8 +174,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     C.save_figure(fig, path, dpi=90)
 
 
-def load_label(name: str, load: float) -> str:
-    return f"{B.SYNTH_RATE * load:g} req/s" if name == "synthetic" else f"{load:g}x"
+load_label = B.load_label
 
 
 def render(results: list[dict[str, Any]], margin: tuple[float, float, float], a: argparse.Namespace,

@@ -154,8 +154,7 @@ def ratios(r: dict[str, Any], s: dict[str, Any]) -> dict[str, Any]:
             "vs_oracle": c / max(att["conductor (oracle)"], 1e-9)}
 
 
-def load_label(name: str, load: float) -> str:
-    return f"{B.SYNTH_RATE * load:g} req/s" if name == "synthetic" else f"{load:g}x"
+load_label = B.load_label
 
 
 def render(results: list[dict[str, Any]], tuned: dict[str, Any], a: argparse.Namespace, command: str) -> str:
