@@ -183,11 +183,59 @@ def test_time_scale_reports_modelled_seconds():
     assert per[0]["ttft_p50_s"] == [2.0] and per[0]["goodput_rps"] == [8.0] and per[0]["attainment"] == [0.5]
 
 
+def test_the_gap_workload_runs_its_profile_with_learned_predictors(monkeypatch, tmp_path):
+    """synthetic_gap: every gateway's embedded engines on the 70B gap profile, admitting with the
+    learned predictors of the workload's directory; the other workloads keep the 8B cluster and the
+    analytic predictors. The load is the simulated experiments' synthetic workload, 20 s between turns."""
+    import tests.servers
+
+    configs: dict[str, object] = {}
+
+    def serve(cfg, log, *flags, timeout_s):
+        with open(cfg, "rb") as f:
+            configs[os.path.basename(cfg)] = parse_config(tomllib.load(f))
+        return None, "http://127.0.0.1:1"
+
+    monkeypatch.setattr(tests.servers, "serve", serve)
+    L.start("prefix_only", 5000.0, _args("--workload", "synthetic_gap", "--time-scale", "2"), tmp_path)
+    L.start("conductor", 5000.0, _args("--workload", "synthetic"), tmp_path)
+    gap, plain = configs["prefix_only-5000.toml"], configs["conductor-5000.toml"]
+    w = L.WORKLOADS["synthetic_gap"]
+    assert gap.embedded.profile == "llama3-70b-a800x8-gap" and gap.embedded.time_scale == 2.0
+    assert gap.predictors == "learned" and gap.predictor_models == str(L.C.ROOT / w.models)
+    assert plain.embedded.profile == GatewayConfig().embedded.profile and plain.predictors == "analytic"
+    la, wl = _workload_of("--workload", "synthetic_gap", "--limit", "40")
+    assert la.turn_gap == L.C.SYNTHETIC["turn_gap_s"] and wl.loads == [w.load]
+
+
+def test_defer_only_drops_plain_conductor(monkeypatch, tmp_path):
+    ran: list[list[str]] = []
+    monkeypatch.setattr(L, "run_slo", lambda policies, *rest: ran.append(policies) or {
+        "wall_s": 0, "summary": {}, "load_average": {}, "started_utc": ""})
+    monkeypatch.setattr(L, "target_rows", lambda *a, **k: ([], []))
+    monkeypatch.setattr(L, "write_page", lambda *a, **k: None)
+    monkeypatch.setattr(L.C, "OUT", tmp_path)
+    L.main(["--defer", "--defer-only", "--rivals", "random", "--slo-ttft-ms", "5000"])
+    L.main(["--defer", "--rivals", "random", "--slo-ttft-ms", "5000"])
+    assert ran == [["conductor+defer", "random"], ["conductor", "conductor+defer", "random"]]
+
+
+def test_a_workload_without_its_learned_predictors_is_refused_with_the_command_that_writes_them(monkeypatch,
+                                                                                                  capsys):
+    import dataclasses
+
+    w = dataclasses.replace(L.WORKLOADS["synthetic_gap"], models="out/no-such-models")
+    monkeypatch.setitem(L.WORKLOADS, "synthetic_gap", w)
+    with pytest.raises(SystemExit) as e:
+        L.main(["--workload", "synthetic_gap"])
+    assert e.value.code == 2 and w.models_from in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv", [["--workload", "nope"], ["--speedup", "2", "--rate", "3"], ["--limit", "0"],
                                   ["--time-scale", "0"],
                                   ["--health-timeout-s", "0"], ["--defer-param", "defer_scan=64"],
                                   ["--defer", "--defer-param", "defer_scan"], ["--defer-b", "defer_reeval_s=0.5"],
-                                  ["--rivals", "conductor"]])
+                                  ["--defer-only"], ["--rivals", "conductor"]])
 def test_bad_options_exit_before_any_load(argv, capsys):
     with pytest.raises(SystemExit) as e:
         L.main(argv)

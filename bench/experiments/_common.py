@@ -85,17 +85,20 @@ def sweep(base: Workload, spec: ClusterSpec, policies: list[str], *, loads: list
 
 def start_gateway(cfg_dir: Path, name: str, *, policy: str, store: bool, admission: bool, prefill: int, decode: int,
                   ttft_ms: float, tbt_ms: float, extra: str = "",
-                  policy_params: dict[str, str] | None = None, time_scale: float = 1.0) -> tuple[Any, str]:
+                  policy_params: dict[str, str] | None = None, time_scale: float = 1.0,
+                  profile: str | None = None) -> tuple[Any, str]:
     """``conductor serve`` on a free loopback port with its config and log in ``cfg_dir``; returns
     (process, URL) once it is ready. ``extra``: more top-level config lines; ``policy_params``:
-    its ``--policy-param`` flags; ``time_scale``: the embedded engines' (wall seconds per modelled one)."""
+    its ``--policy-param`` flags; ``time_scale``: the embedded engines' (wall seconds per modelled one);
+    ``profile``: theirs (None: the embedded default)."""
     from tests.servers import serve
 
     cfg = cfg_dir / f"{name}.toml"
     cfg.write_text(extra + GATEWAY_CONFIG.format(policy=policy, admission=str(admission).lower(),
                                                  store=str(store).lower(), prefill=prefill, decode=decode,
                                                  ttft_ms=ttft_ms, tbt_ms=tbt_ms)
-                   + ("" if time_scale == 1 else f"time_scale = {time_scale:g}\n"))  # [embedded] is the last table
+                   + ("" if time_scale == 1 else f"time_scale = {time_scale:g}\n")  # [embedded] is the last table
+                   + ("" if profile is None else f'profile = "{profile}"\n'))
     flags = [x for k, v in (policy_params or {}).items() for x in ("--policy-param", f"{k}={v}")]
     return serve(str(cfg), str(cfg_dir / f"{name}.log"), *flags, timeout_s=120)
 

@@ -78,6 +78,10 @@ class LiveWorkload:
     load: float
     rivals: str
     about: str = ""  # a sentence for the page's setup paragraph
+    profile: str = "llama3-8b-h200"  # the embedded sim engines' profile
+    # learned predictors (a `conductor calibrate` directory, relative to the repository), or None: analytic
+    models: str | None = None
+    models_from: str = ""  # the command that writes ``models``
 
 
 #: the simulated experiments' synthetic workload with a 5 s think time between turns (20 s there):
@@ -110,6 +114,18 @@ WORKLOADS = {
                                     "gamma arrivals with cv 2, generated at the rate given, seed 0) with 5 s instead "
                                     "of 20 s between turns, so that a slice short enough to run live overloads the "
                                     "cluster."),
+    # the 8P+8D simulated points' cluster and workload (tight-overload.md) on 4P+2D: prefill binds at 5 s
+    "synthetic_gap": LiveWorkload("live-baselines-synthetic-gap",
+                                  "Conductor against every policy, live: synthetic multi-turn on the 70B gap cluster",
+                                  synthetic_source(C.SYNTHETIC), "--requests", 1500, "--rate", 52.5,
+                                  "prefix_only,sglang_cache_aware,lmetric",
+                                  about="The synthetic workload is the simulated experiments' as generated (bench/"
+                                        "experiments/baselines.py: 4-turn conversations 20 s apart behind a shared "
+                                        "2048-token system prompt, gamma arrivals with cv 2, seed 0), on the "
+                                        "simulated 8P+8D points' engines (tight-overload.md) with their learned "
+                                        "predictors.",
+                                  profile="llama3-70b-a800x8-gap", models="out/experiments/deferral/synthetic/models",
+                                  models_from=".venv/bin/python bench/experiments/deferral.py --workloads synthetic"),
 }
 
 
@@ -157,12 +173,18 @@ def loadgen_command(urls: list[str], w: LiveWorkload, ttft_ms: float, a: argpars
             "--timeout", f"{RunnerOptions.timeout_s * a.time_scale:g}"]
 
 
+def predictors_config(w: LiveWorkload) -> str:
+    """Top-level gateway config lines for the workload's learned predictors (none: analytic)."""
+    return "" if w.models is None else f'predictors = "learned"\npredictor_models = "{C.ROOT / w.models}"\n'
+
+
 def start(policy: str, ttft_ms: float, a: argparse.Namespace, cfg_dir: Path) -> tuple[Any, str]:
     base, _, variant = policy.partition("+")  # conductor+defer: conductor, deferred dispatch on
+    w = WORKLOADS[a.workload]
     return C.start_gateway(cfg_dir, f"{policy}-{ttft_ms:g}", policy=base, store=False, admission=True,
-                           extra=health_config(a) + upstream_config(a), prefill=a.prefill, decode=a.decode,
-                           ttft_ms=ttft_ms * a.time_scale, tbt_ms=a.slo_tbt_ms * a.time_scale,
-                           time_scale=a.time_scale,
+                           extra=health_config(a) + upstream_config(a) + predictors_config(w), prefill=a.prefill,
+                           decode=a.decode, ttft_ms=ttft_ms * a.time_scale, tbt_ms=a.slo_tbt_ms * a.time_scale,
+                           time_scale=a.time_scale, profile=w.profile,
                            policy_params=scaled_params(defer_params(a, variant), a.time_scale) if variant else None)
 
 
@@ -299,6 +321,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill", type=int, default=4)
     p.add_argument("--decode", type=int, default=2)
     p.add_argument("--defer", action="store_true", help="also run conductor with deferred dispatch (defer=on)")
+    p.add_argument("--defer-only", action="store_true",
+                   help="with --defer: run conductor with deferred dispatch only, not conductor without it too")
     p.add_argument("--defer-param", action="append", type=key_value, default=[], metavar="KEY=VALUE",
                    help="with --defer: a further policy parameter of conductor+defer (repeatable), e.g. the setting "
                         "tuned in deferral.md: defer_scan=64 defer_aging=0.05 defer_wait_holder=on")
@@ -347,7 +371,8 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     w = WORKLOADS[a.workload]
     rivals = w.rivals if a.rivals is None else a.rivals
-    policies = ["conductor", *(["conductor+defer"] if a.defer else []), *(["conductor+defer-b"] if a.defer_b else []),
+    policies = [*([] if a.defer_only else ["conductor"]), *(["conductor+defer"] if a.defer else []),
+                *(["conductor+defer-b"] if a.defer_b else []),
                 *[x.strip() for x in rivals.split(",") if x.strip()]]
     try:
         slos = [float(x) for x in a.slo_ttft_ms.split(",") if x.strip()]
@@ -355,8 +380,10 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--slo-ttft-ms: expected comma-separated milliseconds, got {a.slo_ttft_ms!r}")
     if len(set(policies)) != len(policies) or not slos:
         p.error("--rivals: conductor and each rival once; --slo-ttft-ms: at least one value")
-    if (a.defer_param or a.defer_b) and not a.defer:
-        p.error("--defer-param and --defer-b need --defer")
+    if (a.defer_param or a.defer_b or a.defer_only) and not a.defer:
+        p.error("--defer-param, --defer-b and --defer-only need --defer")
+    if w.models is not None and not (C.ROOT / w.models / "models.json").exists():
+        p.error(f"--workload {a.workload}: no learned predictors in {w.models} (written by: {w.models_from})")
     if any(v is not None and not v > 0 for v in (a.limit, a.speedup, a.rate, a.health_timeout_s, a.time_scale)):
         p.error("--limit, --speedup, --rate, --health-timeout-s and --time-scale must be > 0")
     try:
@@ -401,6 +428,8 @@ def write_page(w: LiveWorkload, a: argparse.Namespace, results: dict[str, Any]) 
         about += (f"Every gateway probes its engines' health with a {a.health_timeout_s:g} s timeout (the default "
                   "0.8 s ejected a CPU-starved engine with its requests in progress).\n")
     pace = "real time" if a.time_scale == 1 else f"time scale {a.time_scale:g}"
+    predictors = ("analytic predictors" if w.models is None
+                  else f"learned predictors in `{w.models}` (`{w.models_from}`)")
     gen = f"""
 **Command** (regenerates this block and results.json; about {minutes:.0f} minutes of load):
 
@@ -409,8 +438,8 @@ def write_page(w: LiveWorkload, a: argparse.Namespace, results: dict[str, Any]) 
 ```
 
 **Setup.** One `conductor serve` per policy, each with its own embedded cluster of {a.prefill} prefill +
-{a.decode} decode simulated `llama3-8b-h200` engines (vLLM two-step PD, {pace}, no store), every
-gateway admitting against the SLO with the analytic predictors (placement alone differs). Load:
+{a.decode} decode simulated `{w.profile}` engines (vLLM two-step PD, {pace}, no store), every
+gateway admitting against the SLO with the {predictors} (placement alone differs). Load:
 `conductor loadgen {' '.join(workload_flags(w, a))} --repeat {a.repeat}` with every
 gateway as a target: the targets run one after another, in the order listed on even repetitions and
 reversed on odd ones (the number in brackets is the position). A request meets the SLO with its TTFT
