@@ -203,6 +203,7 @@ def test_the_gap_workload_runs_its_profile_with_learned_predictors(monkeypatch, 
     w = L.WORKLOADS["synthetic_gap"]
     assert gap.embedded.profile == "llama3-70b-a800x8-gap" and gap.embedded.time_scale == 2.0
     assert gap.predictors == "learned" and gap.predictor_models == str(L.C.ROOT / w.models)
+    assert (L.C.ROOT / w.models / "models.json").is_file()  # committed: the command runs on a fresh clone
     assert plain.embedded.profile == GatewayConfig().embedded.profile and plain.predictors == "analytic"
     la, wl = _workload_of("--workload", "synthetic_gap", "--limit", "40")
     assert la.turn_gap == L.C.SYNTHETIC["turn_gap_s"] and wl.loads == [w.load]

@@ -81,7 +81,7 @@ class LiveWorkload:
     profile: str = "llama3-8b-h200"  # the embedded sim engines' profile
     # learned predictors (a `conductor calibrate` directory, relative to the repository), or None: analytic
     models: str | None = None
-    models_from: str = ""  # the command that writes ``models``
+    models_from: str = ""  # where ``models`` come from
 
 
 #: the simulated experiments' synthetic workload with a 5 s think time between turns (20 s there):
@@ -124,8 +124,8 @@ WORKLOADS = {
                                         "2048-token system prompt, gamma arrivals with cv 2, seed 0), on the "
                                         "simulated 8P+8D points' engines (tight-overload.md) with their learned "
                                         "predictors.",
-                                  profile="llama3-70b-a800x8-gap", models="out/experiments/deferral/synthetic/models",
-                                  models_from=".venv/bin/python bench/experiments/deferral.py --workloads synthetic"),
+                                  profile="llama3-70b-a800x8-gap", models="data/models/synthetic-gap",
+                                  models_from="committed; data/models/README.md says how to regenerate them"),
 }
 
 
@@ -383,7 +383,7 @@ def main(argv: list[str] | None = None) -> None:
     if (a.defer_param or a.defer_b or a.defer_only) and not a.defer:
         p.error("--defer-param, --defer-b and --defer-only need --defer")
     if w.models is not None and not (C.ROOT / w.models / "models.json").exists():
-        p.error(f"--workload {a.workload}: no learned predictors in {w.models} (written by: {w.models_from})")
+        p.error(f"--workload {a.workload}: no learned predictors in {w.models} ({w.models_from})")
     if any(v is not None and not v > 0 for v in (a.limit, a.speedup, a.rate, a.health_timeout_s, a.time_scale)):
         p.error("--limit, --speedup, --rate, --health-timeout-s and --time-scale must be > 0")
     try:
@@ -429,7 +429,7 @@ def write_page(w: LiveWorkload, a: argparse.Namespace, results: dict[str, Any]) 
                   "0.8 s ejected a CPU-starved engine with its requests in progress).\n")
     pace = "real time" if a.time_scale == 1 else f"time scale {a.time_scale:g}"
     predictors = ("analytic predictors" if w.models is None
-                  else f"learned predictors in `{w.models}` (`{w.models_from}`)")
+                  else f"learned predictors in `{w.models}` ({w.models_from})")
     gen = f"""
 **Command** (regenerates this block and results.json; about {minutes:.0f} minutes of load):
 
