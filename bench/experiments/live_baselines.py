@@ -3,7 +3,7 @@ confirmation): one gateway per policy, each with its own embedded cluster of sim
 real time, every one admitting against the same SLO, and one ``conductor loadgen`` run sending the
 same workload to each in turn. Loopback only.
 
-    .venv/bin/python bench/experiments/live_baselines.py [--workload conversation|azure_code|synthetic]
+    .venv/bin/python bench/experiments/live_baselines.py [--workload conversation|azure_code|synthetic|synthetic_gap]
         [--rivals P,P,...] [--slo-ttft-ms 30000,5000] [--limit N] [--speedup X | --rate R] [--repeat 2] [--defer]
 
 Workloads (``--workload``; each writes its own page, docs/experiments/<page>.md with
@@ -17,7 +17,12 @@ Workloads (``--workload``; each writes its own page, docs/experiments/<page>.md 
 - ``synthetic``: loadgen's generator with the simulated experiments' reuse-heavy multi-turn
   setting (``_common.SYNTHETIC``: 4 turns, a shared 2048-token system prompt, gamma arrivals with
   cv 2) at ``--rate`` requests/s, against sglang_cache_aware, prefix_only, lmetric ->
-  live-baselines-synthetic.md.
+  live-baselines-synthetic.md;
+- ``synthetic_gap``: that workload as generated (20 s between turns) on the simulated 8P+8D points'
+  ``llama3-70b-a800x8-gap`` engines, every gateway admitting with the learned predictors in
+  data/models/synthetic-gap, against prefix_only, sglang_cache_aware, lmetric ->
+  live-baselines-synthetic-gap.md. The other workloads run ``llama3-8b-h200`` engines and the analytic
+  predictors.
 
 The rivals are the strongest per workload of docs/experiments/goodput-curves.md; the loads were
 chosen by a probe of the rivals alone (the pages say how). ``loadgen --repeat N`` runs the targets
