@@ -62,6 +62,17 @@ class Workload:
             return self
         return replace(self, requests=self.requests[:n])
 
+    def after(self, k: int) -> "Workload":
+        """The requests after the first ``k``, renumbered and re-timed to start at 0 (a held-out
+        slice replayed as a run of its own)."""
+        if k <= 0:
+            return self
+        if k >= len(self.requests):
+            raise TraceError(f"{self.source}: cannot skip {k} requests: only {len(self.requests)} were read")
+        t0 = self.requests[k].arrival_s
+        return replace(self, requests=[replace(r, index=i, arrival_s=r.arrival_s - t0)
+                                       for i, r in enumerate(self.requests[k:])])
+
     @property
     def span_s(self) -> float:
         return self.requests[-1].arrival_s - self.requests[0].arrival_s if self.requests else 0.0

@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from predictors.cli_args import CLIError, positive_float, positive_int
+from predictors.cli_args import CLIError, non_negative_int, positive_float, positive_int
 from predictors.telemetry import SLO
 
 from .arrivals import PROCESSES
@@ -48,6 +48,9 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", choices=("auto", "mooncake", "azure"), default="auto",
                    help="trace format (default: by extension)")
     p.add_argument("--limit", type=positive_int, metavar="N", help="replay only the first N requests")
+    p.add_argument("--offset", type=non_negative_int, default=0, metavar="K",
+                   help="skip the trace's first K requests and start at the next, at time 0: "
+                        "replay a slice that predictors were not calibrated on")
     load = p.add_mutually_exclusive_group()
     load.add_argument("--speedup", type=load_list, metavar="X[,X...]", help="compress trace time X-fold; a list sweeps")
     load.add_argument("--rate", type=load_list, metavar="R[,R...]",
@@ -88,6 +91,8 @@ def workload_from_args(a: argparse.Namespace, log: Callable[[str], None]) -> Wor
               None if a.slo_tbt_ms is None else a.slo_tbt_ms / 1000)
     regenerate: Callable[[float], Workload] | None = None
     if a.synthetic:
+        if a.offset:
+            raise CLIError("--offset applies to --trace (a generated workload has no earlier requests to skip)")
         if a.shared_prefix_blocks < 0 or a.turn_gap < 0:
             raise CLIError("--shared-prefix-blocks and --turn-gap must be >= 0")
         n = min(a.requests, a.limit or a.requests)
@@ -103,7 +108,9 @@ def workload_from_args(a: argparse.Namespace, log: Callable[[str], None]) -> Wor
             regenerate = synth
     else:
         try:
-            base = read_trace(a.trace, a.format, strict=a.strict, limit=a.limit, warn=log)
+            base = read_trace(a.trace, a.format, strict=a.strict,
+                              limit=None if a.limit is None else a.offset + a.limit, warn=log)
+            base = base.after(a.offset)
         except TraceError as e:
             raise CLIError(str(e)) from None
         if base.skipped:

@@ -190,6 +190,8 @@ def test_api_key_is_sent(tmp_path, capsys):
     (["--prompt-format", "token-ids"], "needs --endpoint completions"),
     (["--target", "ftp://x"], "expected an http"),
     (["--trace", "/nonexistent/t.jsonl"], "cannot read trace /nonexistent/t.jsonl"),
+    (["--offset", "-1"], "argument --offset"),
+    (["--offset", "2"], "cannot skip 2 requests: only 2 were read"),
 ])
 def test_bad_arguments_exit_2_with_one_line(tmp_path, capsys, args, needle):
     base = {"--target": "http://127.0.0.1:9", "--trace": str(trace_slice(tmp_path, 2)), "--out": str(tmp_path / "o")}

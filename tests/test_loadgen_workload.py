@@ -40,6 +40,19 @@ def test_limit_stops_reading_early():
     assert w.requests[-1].line == 25
 
 
+def test_after_skips_a_prefix_renumbered_and_retimed_from_zero():
+    whole = read_mooncake(str(MOONCAKE), limit=30)
+    tail = whole.after(20)
+    assert len(tail.requests) == 10 and [r.index for r in tail.requests] == list(range(10))
+    assert tail.requests[0].arrival_s == 0 and [r.line for r in tail.requests] == list(range(21, 31))
+    t20 = whole.requests[20].arrival_s
+    for r, w in zip(tail.requests, whole.requests[20:], strict=True):
+        assert r.arrival_s == pytest.approx(w.arrival_s - t20) and r.hash_ids == w.hash_ids
+    assert whole.after(0) is whole
+    with pytest.raises(TraceError, match="cannot skip 30 requests: only 30 were read"):
+        whole.after(30)
+
+
 def test_malformed_lines_skipped_and_counted_or_strict(tmp_path):
     good = head(MOONCAKE, 3)
     p = tmp_path / "bad.jsonl"

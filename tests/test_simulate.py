@@ -119,6 +119,7 @@ def conductor(*args, cwd=ROOT):
     (["--both", "1", "--policy-param", "pull_rule=always"], "pull_rule must be one of"),
     (["--both", "1", "--predictors", "crystal"], "unknown predictors 'crystal'"),
     (["--prefill", "1", "--decode", "1", "--peer-pull", "--store"], "--peer-pull with --store is not modelled"),
+    (["--both", "1", "--offset", "3"], "--offset applies to --trace"),
 ])
 def test_bad_arguments_get_one_line_and_exit_2(tmp_path, args, message):
     p = conductor("--synthetic", "--requests", "5", "--out", str(tmp_path / "o"), *args)
