@@ -13,6 +13,7 @@ import pytest
 from gateway.config import GatewayConfig, parse_config
 from loadgen.cli import build_parser
 from loadgen.synthetic import parse_dist, synthetic_workload
+from loadgen.workload import read_trace
 from loadgen.workload_args import workload_from_args
 from scheduler.deferral import split_params
 from scheduler.deferral_params import DeferParams
@@ -207,6 +208,18 @@ def test_the_gap_workload_runs_its_profile_with_learned_predictors(monkeypatch, 
     assert plain.embedded.profile == GatewayConfig().embedded.profile and plain.predictors == "analytic"
     la, wl = _workload_of("--workload", "synthetic_gap", "--limit", "40")
     assert la.turn_gap == L.C.SYNTHETIC["turn_gap_s"] and wl.loads == [w.load]
+
+
+def test_the_conversation_gap_run_replays_requests_its_models_were_not_calibrated_on():
+    """conversation_gap admits with models calibrated on the trace's first 1000 requests, so the run
+    starts at the 1001st, retimed to 0; the models are committed."""
+    w = L.WORKLOADS["conversation_gap"]
+    assert w.profile == "llama3-70b-a800x8-gap" and (L.C.ROOT / w.models / "models.json").is_file()
+    la, wl = _workload_of("--workload", "conversation_gap", "--limit", "30")
+    whole = read_trace(str(L.C.ROOT / L.TRACE), limit=1030)
+    assert la.offset == 1000 and wl.loads == [w.load] and len(wl.base.requests) == 30
+    assert [r.hash_ids for r in wl.base.requests] == [r.hash_ids for r in whole.requests[1000:]]
+    assert wl.base.requests[0].arrival_s == 0 and wl.base.requests[0].line == 1001
 
 
 def test_defer_only_drops_plain_conductor(monkeypatch, tmp_path):

@@ -3,7 +3,8 @@ confirmation): one gateway per policy, each with its own embedded cluster of sim
 real time, every one admitting against the same SLO, and one ``conductor loadgen`` run sending the
 same workload to each in turn. Loopback only.
 
-    .venv/bin/python bench/experiments/live_baselines.py [--workload conversation|azure_code|synthetic|synthetic_gap]
+    .venv/bin/python bench/experiments/live_baselines.py
+        [--workload conversation|azure_code|synthetic|synthetic_gap|conversation_gap]
         [--rivals P,P,...] [--slo-ttft-ms 30000,5000] [--limit N] [--speedup X | --rate R] [--repeat 2] [--defer]
 
 Workloads (``--workload``; each writes its own page, docs/experiments/<page>.md with
@@ -21,8 +22,11 @@ Workloads (``--workload``; each writes its own page, docs/experiments/<page>.md 
 - ``synthetic_gap``: that workload as generated (20 s between turns) on the simulated 8P+8D points'
   ``llama3-70b-a800x8-gap`` engines, every gateway admitting with the learned predictors in
   data/models/synthetic-gap, against prefix_only, sglang_cache_aware, lmetric ->
-  live-baselines-synthetic-gap.md. The other workloads run ``llama3-8b-h200`` engines and the analytic
-  predictors.
+  live-baselines-synthetic-gap.md;
+- ``conversation_gap``: the conversation trace's requests 1001-2500 (``--offset 1000``: its first 1000
+  calibrated data/models/conversation-gap) at 16x on the same engines, against dynamo_cost,
+  prefix_only, random, least_loaded -> live-baselines-conversation-gap.md. The other workloads run
+  ``llama3-8b-h200`` engines and the analytic predictors.
 
 The rivals are the strongest per workload of docs/experiments/goodput-curves.md; the loads were
 chosen by a probe of the rivals alone (the pages say how). ``loadgen --repeat N`` runs the targets
@@ -131,6 +135,18 @@ WORKLOADS = {
                                         "predictors.",
                                   profile="llama3-70b-a800x8-gap", models="data/models/synthetic-gap",
                                   models_from="committed; data/models/README.md says how to regenerate them"),
+    # the simulated points' conversation slices on the same cluster: the models learned on the trace's first
+    # 1000 requests (the training slice), the run replays the 1500 after them (the evaluation slice's start)
+    "conversation_gap": LiveWorkload("live-baselines-conversation-gap",
+                                     "Conductor against every policy, live: conversation trace on the 70B gap cluster",
+                                     ("--trace", TRACE, "--offset", "1000"), "--limit", 1500, "--speedup", 16.0,
+                                     "dynamo_cost,prefix_only,random,least_loaded",
+                                     about="The conversation trace's requests 1001-2500 (`--offset 1000`), on the "
+                                           "simulated 8P+8D points' engines with the learned predictors calibrated "
+                                           "on the trace's first 1000 requests (baselines.py's training slice), so "
+                                           "no replayed request was seen in training.",
+                                     profile="llama3-70b-a800x8-gap", models="data/models/conversation-gap",
+                                     models_from="committed; data/models/README.md says how to regenerate them"),
 }
 
 
