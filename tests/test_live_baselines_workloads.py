@@ -222,6 +222,14 @@ def test_the_conversation_gap_run_replays_requests_its_models_were_not_calibrate
     assert wl.base.requests[0].arrival_s == 0 and wl.base.requests[0].line == 1001
 
 
+def test_the_30s_gap_workload_is_the_5s_one_longer_and_denser():
+    short, long = L.WORKLOADS["synthetic_gap"], L.WORKLOADS["synthetic_gap_30s"]
+    assert (long.source, long.profile, long.models) == (short.source, short.profile, short.models)
+    assert long.page != short.page and long.requests > short.requests and long.load > short.load
+    la, wl = _workload_of("--workload", "synthetic_gap_30s", "--limit", "40", "--time-scale", "1.5")
+    assert wl.loads == [long.load / 1.5] and la.turn_gap == L.C.SYNTHETIC["turn_gap_s"] * 1.5
+
+
 def test_defer_only_drops_plain_conductor(monkeypatch, tmp_path):
     ran: list[list[str]] = []
     monkeypatch.setattr(L, "run_slo", lambda policies, *rest: ran.append(policies) or {

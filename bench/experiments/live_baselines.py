@@ -4,7 +4,7 @@ real time, every one admitting against the same SLO, and one ``conductor loadgen
 same workload to each in turn. Loopback only.
 
     .venv/bin/python bench/experiments/live_baselines.py
-        [--workload conversation|azure_code|synthetic|synthetic_gap|conversation_gap]
+        [--workload conversation|azure_code|synthetic|synthetic_gap|synthetic_gap_30s|conversation_gap]
         [--rivals P,P,...] [--slo-ttft-ms 30000,5000] [--limit N] [--speedup X | --rate R] [--repeat 2] [--defer]
 
 Workloads (``--workload``; each writes its own page, docs/experiments/<page>.md with
@@ -22,7 +22,8 @@ Workloads (``--workload``; each writes its own page, docs/experiments/<page>.md 
 - ``synthetic_gap``: that workload as generated (20 s between turns) on the simulated 8P+8D points'
   ``llama3-70b-a800x8-gap`` engines, every gateway admitting with the learned predictors in
   data/models/synthetic-gap, against prefix_only, sglang_cache_aware, lmetric ->
-  live-baselines-synthetic-gap.md;
+  live-baselines-synthetic-gap.md; ``synthetic_gap_30s``: the same, 2500 requests at 105 req/s, for
+  TTFT 30 s, against sglang_cache_aware, lmetric, prefix_only -> live-baselines-synthetic-gap-30s.md;
 - ``conversation_gap``: the conversation trace's requests 1001-2500 (``--offset 1000``: its first 1000
   calibrated data/models/conversation-gap) at 16x on the same engines, against dynamo_cost,
   prefix_only, random, least_loaded -> live-baselines-conversation-gap.md. The other workloads run
@@ -135,6 +136,18 @@ WORKLOADS = {
                                         "predictors.",
                                   profile="llama3-70b-a800x8-gap", models="data/models/synthetic-gap",
                                   models_from="committed; data/models/README.md says how to regenerate them"),
+    # the same at TTFT 30 s: a longer, denser slice, since at 1500 requests the 4P+2D cluster's decode KV
+    # keeps every policy near the same attainment (1.16-1.20x simulated at 52.5-150 req/s)
+    "synthetic_gap_30s": LiveWorkload("live-baselines-synthetic-gap-30s",
+                                      "Conductor against every policy, live: synthetic multi-turn on the 70B gap "
+                                      "cluster at TTFT 30 s",
+                                      synthetic_source(C.SYNTHETIC), "--requests", 2500, "--rate", 105.0,
+                                      "sglang_cache_aware,lmetric,prefix_only",
+                                      about="The workload of live-baselines-synthetic-gap.md (seed 0, the simulated "
+                                            "pages' evaluation slice), longer and denser, with the same engines and "
+                                            "learned predictors.",
+                                      profile="llama3-70b-a800x8-gap", models="data/models/synthetic-gap",
+                                      models_from="committed; data/models/README.md says how to regenerate them"),
     # the simulated points' conversation slices on the same cluster: the models learned on the trace's first
     # 1000 requests (the training slice), the run replays the 1500 after them (the evaluation slice's start)
     "conversation_gap": LiveWorkload("live-baselines-conversation-gap",
