@@ -29,8 +29,9 @@ Workloads (``--workload``; each writes its own page, docs/experiments/<page>.md 
   prefix_only, random, least_loaded -> live-baselines-conversation-gap.md. The other workloads run
   ``llama3-8b-h200`` engines and the analytic predictors.
 
-The rivals are the strongest per workload of docs/experiments/goodput-curves.md; the loads were
-chosen by a probe of the rivals alone (the pages say how). ``loadgen --repeat N`` runs the targets
+The rivals are the strongest per workload of docs/experiments/goodput-curves.md (for the gap workloads,
+the simulator's strongest at their load); the loads were chosen by a probe of the rivals alone or, for
+the gap workloads, by the simulator (the pages say how). ``loadgen --repeat N`` runs the targets
 one after another, in the listed order on even repetitions and reversed on odd ones, so over two
 repetitions every target is as often early as late (a repeated load in comparison mode was the
 position bias issue 15 measured). One load and one SLO per ``--slo-ttft-ms`` value; the page is
@@ -136,8 +137,8 @@ WORKLOADS = {
                                         "predictors.",
                                   profile="llama3-70b-a800x8-gap", models="data/models/synthetic-gap",
                                   models_from="committed; data/models/README.md says how to regenerate them"),
-    # the same at TTFT 30 s: a longer, denser slice, since at 1500 requests the 4P+2D cluster's decode KV
-    # keeps every policy near the same attainment (1.16-1.20x simulated at 52.5-150 req/s)
+    # the same at TTFT 30 s on a longer, denser slice: at 1500 requests conductor + defer stops at
+    # 1.16-1.20x the best other in the simulator (52.5-150 req/s), at 2500 and 105 req/s it reaches 1.26x
     "synthetic_gap_30s": LiveWorkload("live-baselines-synthetic-gap-30s",
                                       "Conductor against every policy, live: synthetic multi-turn on the 70B gap "
                                       "cluster at TTFT 30 s",
