@@ -12,7 +12,7 @@ from .prompts import ENDPOINTS, PROMPT_FORMATS
 from .report import format_table, write_outputs
 from .sweep import LoadgenConfig, TargetError, run
 from .synthetic import to_mooncake_jsonl
-from .workload_args import add_workload_args, workload_from_args
+from .workload_args import add_workload_args, describe, workload_from_args
 
 
 def target_url(text: str) -> str:
@@ -104,8 +104,7 @@ def main(argv: list[str]) -> int:
     except OSError as e:
         raise CLIError(f"cannot write to --out {a.out}: {e.strerror or e}") from None
     cfg = _config(a, log)
-    log(f"workload: {cfg.base.source} ({cfg.base.kind}, {len(cfg.base.requests)} requests, "
-        f"{cfg.base.span_s:.1f} s of trace time)")
+    log(f"workload: {describe(cfg.base, a.offset)}")
     try:
         outcome = run(cfg, log)
     except TargetError as e:

@@ -77,6 +77,12 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="512-token blocks every prompt starts with (a system prompt)")
 
 
+def describe(w: Workload, offset: int = 0) -> str:
+    """The workload line both commands print: what is replayed, and which part of the trace."""
+    part = f"requests {offset + 1}-{offset + len(w.requests)}" if offset else f"{len(w.requests)} requests"
+    return f"{w.source} ({w.kind}, {part}, {w.span_s:.1f} s of trace time)"
+
+
 @dataclass
 class WorkloadChoice:
     base: Workload

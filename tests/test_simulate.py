@@ -137,6 +137,18 @@ def test_unwritable_out_and_bad_trace_lines_are_named(tmp_path):
     assert p.returncode == 2 and f"{trace}:2" in p.stderr
 
 
+def test_offset_replays_the_requests_after_it_and_says_which(tmp_path):
+    lines = [json.dumps({"timestamp": 1000 * i, "input_length": 600, "output_length": 4, "hash_ids": [i, 100 + i]})
+             for i in range(6)]
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(lines) + "\n")
+    p = conductor("--trace", str(trace), "--offset", "2", "--limit", "3", "--both", "1", "--quiet",
+                  "--out", str(tmp_path / "o"))
+    assert p.returncode == 0, p.stderr
+    assert f"workload: {trace} (mooncake, requests 3-5, 2.0 s of trace time)" in p.stderr
+    assert json.loads((tmp_path / "o" / "summary.json").read_text())["requests"] == 3
+
+
 def test_the_command_writes_loadgens_outputs_and_is_byte_deterministic(tmp_path):
     args = ["--synthetic", "--requests", "40", "--turns", "2", "--rate", "3", "--prefill", "1", "--decode", "1",
             "--compare", "round_robin", "--slo-ttft-ms", "5000", "--slo-tbt-ms", "100", "--quiet"]

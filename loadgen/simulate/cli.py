@@ -25,7 +25,7 @@ from scheduler.ledger import split_params as split_ledger
 from scheduler.overload import split_params as split_overload
 from scheduler.policies import POLICIES, make_policy
 
-from ..workload_args import add_workload_args, workload_from_args
+from ..workload_args import add_workload_args, describe, workload_from_args
 from .cluster import ClusterSpec, SchedulerSpec
 from .report import format_table, write_outputs
 from .sweep import SimConfig, run_sweep
@@ -179,8 +179,8 @@ def main(argv: list[str]) -> int:
                     load_kind=w.load_kind, loads=w.loads, attainment_target=a.attainment_target, arrival=a.arrival,
                     cv=a.burstiness, seed=a.seed, predictors=a.predictors, admission=a.admission,
                     reuse_bound=a.reuse_bound, workers=a.workers, progress=not a.quiet, regenerate=w.regenerate)
-    log(f"workload: {w.base.source} ({w.base.kind}, {len(w.base.requests)} requests, {w.base.span_s:.1f} s of "
-        f"trace time); cluster {a.prefill}P+{a.decode}D{f'+{a.both}B' if a.both else ''} {a.profile}; "
+    log(f"workload: {describe(w.base, a.offset)}; "
+        f"cluster {a.prefill}P+{a.decode}D{f'+{a.both}B' if a.both else ''} {a.profile}; "
         f"{len(policies)} polic{'y' if len(policies) == 1 else 'ies'} x {len(w.loads)} load(s)")
     outcome = run_sweep(cfg)
     paths = write_outputs(a.out, outcome, keep_token_times=a.keep_token_times, telemetry=a.telemetry)
