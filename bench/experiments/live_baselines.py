@@ -48,6 +48,7 @@ machine measures placement rather than its own CPU; the page reports modelled se
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -109,6 +110,23 @@ def synthetic_source(settings: dict[str, Any]) -> tuple[str, ...]:
     return ("--synthetic", *[x for k, flag in SYNTHETIC_FLAGS.items() for x in (flag, text(settings[k]))])
 
 
+#: where the gap workloads' learned predictors come from
+COMMITTED_MODELS = "committed; data/models/README.md says how to regenerate them"
+
+# the 8P+8D simulated points' cluster and workload (tight-overload.md) on 4P+2D: prefill binds at 5 s
+SYNTHETIC_GAP = LiveWorkload("live-baselines-synthetic-gap",
+                             "Conductor against every policy, live: synthetic multi-turn on the 70B gap cluster",
+                             synthetic_source(C.SYNTHETIC), "--requests", 1500, "--rate", 52.5,
+                             "prefix_only,sglang_cache_aware,lmetric",
+                             about="The synthetic workload is the simulated experiments' as generated (bench/"
+                                   "experiments/baselines.py: 4-turn conversations 20 s apart behind a shared "
+                                   "2048-token system prompt, gamma arrivals with cv 2, seed 0), on the "
+                                   "simulated 8P+8D points' engines (tight-overload.md) with their learned "
+                                   "predictors.",
+                             profile="llama3-70b-a800x8-gap", models="data/models/synthetic-gap",
+                             models_from=COMMITTED_MODELS)
+
+
 WORKLOADS = {
     "conversation": LiveWorkload("live-baselines", "Conductor against every policy, live", ("--trace", TRACE),
                                  "--limit", 400, "--speedup", 16.0, "dynamo_cost,sglang_cache_aware,prefix_only"),
@@ -125,30 +143,15 @@ WORKLOADS = {
                                     "gamma arrivals with cv 2, generated at the rate given, seed 0) with 5 s instead "
                                     "of 20 s between turns, so that a slice short enough to run live overloads the "
                                     "cluster."),
-    # the 8P+8D simulated points' cluster and workload (tight-overload.md) on 4P+2D: prefill binds at 5 s
-    "synthetic_gap": LiveWorkload("live-baselines-synthetic-gap",
-                                  "Conductor against every policy, live: synthetic multi-turn on the 70B gap cluster",
-                                  synthetic_source(C.SYNTHETIC), "--requests", 1500, "--rate", 52.5,
-                                  "prefix_only,sglang_cache_aware,lmetric",
-                                  about="The synthetic workload is the simulated experiments' as generated (bench/"
-                                        "experiments/baselines.py: 4-turn conversations 20 s apart behind a shared "
-                                        "2048-token system prompt, gamma arrivals with cv 2, seed 0), on the "
-                                        "simulated 8P+8D points' engines (tight-overload.md) with their learned "
-                                        "predictors.",
-                                  profile="llama3-70b-a800x8-gap", models="data/models/synthetic-gap",
-                                  models_from="committed; data/models/README.md says how to regenerate them"),
+    "synthetic_gap": SYNTHETIC_GAP,
     # the same at TTFT 30 s on a longer, denser slice: at 1500 requests conductor + defer stops at
     # 1.16-1.20x the best other in the simulator (52.5-150 req/s), at 2500 and 105 req/s it reaches 1.26x
-    "synthetic_gap_30s": LiveWorkload("live-baselines-synthetic-gap-30s",
-                                      "Conductor against every policy, live: synthetic multi-turn on the 70B gap "
-                                      "cluster at TTFT 30 s",
-                                      synthetic_source(C.SYNTHETIC), "--requests", 2500, "--rate", 105.0,
-                                      "sglang_cache_aware,lmetric,prefix_only",
-                                      about="The workload of live-baselines-synthetic-gap.md (seed 0, the simulated "
-                                            "pages' evaluation slice), longer and denser, with the same engines and "
-                                            "learned predictors.",
-                                      profile="llama3-70b-a800x8-gap", models="data/models/synthetic-gap",
-                                      models_from="committed; data/models/README.md says how to regenerate them"),
+    "synthetic_gap_30s": dataclasses.replace(
+        SYNTHETIC_GAP, page="live-baselines-synthetic-gap-30s",
+        title="Conductor against every policy, live: synthetic multi-turn on the 70B gap cluster at TTFT 30 s",
+        requests=2500, load=105.0, rivals="sglang_cache_aware,lmetric,prefix_only",
+        about="The workload of live-baselines-synthetic-gap.md (seed 0, the simulated pages' evaluation slice), "
+              "longer and denser, with the same engines and learned predictors."),
     # the simulated points' conversation slices on the same cluster: the models learned on the trace's first
     # 1000 requests (the training slice), the run replays the 1500 after them (the evaluation slice's start)
     "conversation_gap": LiveWorkload("live-baselines-conversation-gap",
@@ -160,7 +163,7 @@ WORKLOADS = {
                                            "on the trace's first 1000 requests (baselines.py's training slice), so "
                                            "no replayed request was seen in training.",
                                      profile="llama3-70b-a800x8-gap", models="data/models/conversation-gap",
-                                     models_from="committed; data/models/README.md says how to regenerate them"),
+                                     models_from=COMMITTED_MODELS),
 }
 
 
