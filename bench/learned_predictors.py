@@ -64,7 +64,8 @@ def pct(x: float | None) -> str:
 
 def run(w, cluster: ClusterSpec, slo: SLO, predictors: str, label: str, policy: str = "conductor"
         ) -> list[RequestRecord]:
-    sched = SchedulerSpec(policy=policy, slo=slo)
+    # conductor as when docs/predictors.md's figures were measured: deciding at arrival (defer=off)
+    sched = SchedulerSpec(policy=policy, slo=slo, policy_params={"defer": False} if policy == "conductor" else {})
     t = time.perf_counter()
     out = simulate(w, cluster, sched, predictors=predictors_factory(predictors, cluster), progress=None,
                    label=label, id_prefix=label).records

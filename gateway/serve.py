@@ -20,7 +20,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--policy-param", type=key_value, action="append", default=[], metavar="KEY=VALUE",
                    help="a parameter of the policy, over the config's [policy_params] (repeatable), e.g. "
-                        "defer=on (deferred dispatch, docs/gateway.md)")
+                        "defer=off (conductor decides at arrival, without its wait room; docs/gateway.md)")
     args = p.parse_args(argv)
     try:
         cfg = load_config(args.config)

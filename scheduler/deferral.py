@@ -10,7 +10,8 @@ what maximises that count, but an engine cannot reorder what it was given. So th
 the order: a request whose chosen prefill instance has more than ``horizon_s`` of predicted
 queue waits here, holding no reservation, and as queues drain the cheapest waiting request goes.
 
-Rules, for any policy (``defer=on`` among its parameters, as ``cost_admission``):
+Rules, for any policy (``defer=on`` among its parameters, as ``cost_admission``; conductor's default,
+``Policy.wait_room``, when it admits against the SLO):
 
 * on arrival the request is evaluated (``Scheduler.evaluate``, nothing reserved). Placed with the
   chosen instance's predicted queue within ``horizon_s``: decided (committed) at once. Placed

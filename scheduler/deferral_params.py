@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any, Iterable, Literal, get_args
 
 from scheduler.policies.base import _coerce  # the same parsing as every policy parameter
 
@@ -95,15 +95,25 @@ class DeferParams:
             raise ValueError(f"defer_floor_quantile must be a number in [0, 1], got {q!r}")
 
 
-def split_params(policy_params: dict[str, Any]) -> tuple[DeferParams, dict[str, Any]]:
+def room_defaults(keys: Iterable[str]) -> dict[str, Any]:
+    """The room's own defaults (``DeferParams()``) of these parameters: set over a policy's
+    ``wait_room``, they give that policy the room every other policy has (``defer`` included)."""
+    plain = DeferParams()
+    return {key: getattr(plain, PARAM_KEYS[key]) for key in keys}
+
+
+def split_params(policy_params: dict[str, Any], defaults: dict[str, Any] | None = None
+                 ) -> tuple[DeferParams, dict[str, Any]]:
     """The deferral parameters out of a policy's raw parameters (TOML natives or
-    ``--policy-param`` strings), and the rest for the policy."""
+    ``--policy-param`` strings), and the rest for the policy. ``defaults``: the policy's own
+    (``Policy.wait_room``), each overridden by a raw parameter of the same name."""
     rest = dict(policy_params)
+    given = {**(defaults or {}), **{k: rest.pop(k) for k in PARAM_KEYS if k in rest}}
     kw: dict[str, Any] = {}
     for key, name in PARAM_KEYS.items():
-        if key in rest:
+        if key in given:
             hint = {"enabled": bool, "last_chance": bool, "spill": bool, "wait_holder": bool,
                     "holder_fallback": bool, "scan": int, "floor_every": int,
                     "slack_aging": bool, "size": Size, "share": bool, "join": bool}.get(name, float)
-            kw[name] = _coerce(key, hint, rest.pop(key))
+            kw[name] = _coerce(key, hint, given[key])
     return DeferParams(**kw), rest

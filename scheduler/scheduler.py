@@ -65,10 +65,13 @@ class Scheduler:
         # on by default for the policies that say so (conductor)
         cls = POLICIES.get(policy)
         overload, policy_params = split_params(policy_params, bool(cls and cls.cost_admission))
-        # deferred dispatch (scheduler/deferral.py): any policy takes its parameters; the driver's
-        # wait room reads them (the scheduler itself decides the same either way)
+        # deferred dispatch (scheduler/deferral.py): any policy takes its parameters; on by default
+        # for the policies that say so (conductor) when they admit against the SLO (the room refuses
+        # a waiter at its deadline: without admission nothing is refused for the SLO, so nothing
+        # waits unless defer=on); the driver's wait room reads them (the scheduler itself decides
+        # the same either way)
         self.defer: DeferParams
-        self.defer, policy_params = split_defer(policy_params)
+        self.defer, policy_params = split_defer(policy_params, cls.wait_room if cls and admission else None)
         # the decode wait replayed as the engine admits, first come first served, and the TBT of
         # a cache sharing prefix blocks (both on by default; decode_fifo=off, decode_share=off
         # for the earlier models: docs/scheduler.md); any policy takes them

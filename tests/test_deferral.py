@@ -11,7 +11,7 @@ from scheduler import Instance, Placement, Rejection, RequestFacts, Scheduler
 from scheduler.deferral import DEADLINE, DeferParams, WaitRoom, split_params
 from scheduler.hashing import block_hashes
 from scheduler.lifecycle import LifecycleError, Phase, RequestLifecycle
-from tests.sched_helpers import Clock, toks
+from tests.sched_helpers import Clock, plain_room, toks
 
 BS = 16
 
@@ -21,8 +21,8 @@ def world(defer: bool = True, horizon: float = 0.2, ttft: float | None = 2.0, ag
     clock = Clock(0.0)
     insts = [Instance(f"p{k}", "prefill") for k in range(prefill)] + [Instance("d0", "decode")]
     sched = Scheduler(insts, policy=policy, slo=SLO(ttft_s=ttft), block_size=BS, clock=clock,
-                      defer=defer, defer_horizon_s=horizon, defer_aging=aging,
-                      defer_last_chance=slack is not None, defer_slack=slack or 0.0)
+                      **plain_room(defer=defer, defer_horizon_s=horizon, defer_aging=aging,
+                                   defer_last_chance=slack is not None, defer_slack=slack or 0.0))
     return sched, clock, WaitRoom(sched)
 
 

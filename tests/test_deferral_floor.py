@@ -10,7 +10,7 @@ from scheduler.deferral import DeferParams, WaitRoom, split_params
 from scheduler.hashing import block_hashes
 from scheduler.lifecycle import Phase, RequestLifecycle
 from tests.room_stream import drive
-from tests.sched_helpers import Clock, toks
+from tests.sched_helpers import Clock, plain_room, toks
 
 BS = 16
 
@@ -18,8 +18,8 @@ BS = 16
 def world(ttft: float = 6.0, **kw):
     clock = Clock(0.0)
     sched = Scheduler([Instance("p0", "prefill"), Instance("d0", "decode")], policy="conductor",
-                      slo=SLO(ttft_s=ttft), block_size=BS, clock=clock, defer=True, defer_horizon_s=0.2,
-                      defer_scan=64, **kw)
+                      slo=SLO(ttft_s=ttft), block_size=BS, clock=clock,
+                      **plain_room(defer_horizon_s=0.2, defer_scan=64, **kw))
     return sched, clock, WaitRoom(sched)
 
 
@@ -101,8 +101,8 @@ def _stream(**kw) -> tuple[list[str], int]:
     """Decisions of an overloaded stream of short and long prompts through a wait room."""
     clock = Clock(0.0)
     sched = Scheduler([Instance(f"p{k}", "prefill") for k in range(2)] + [Instance("d0", "decode")],
-                      policy="conductor", slo=SLO(ttft_s=3.0), block_size=BS, clock=clock, defer=True,
-                      defer_horizon_s=0.2, defer_aging=0.05, defer_scan=64, **kw)
+                      policy="conductor", slo=SLO(ttft_s=3.0), block_size=BS, clock=clock,
+                      **plain_room(defer_horizon_s=0.2, defer_aging=0.05, defer_scan=64, **kw))
     return drive(sched, clock, lambda k: toks(k, 12000 if k % 4 == 0 else 1500 + 300 * (k % 3)), "floor", BS,
                  steps=80, dt=0.08)
 

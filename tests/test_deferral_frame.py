@@ -13,7 +13,7 @@ from scheduler.frame import LoadFrame
 from scheduler.hashing import block_hashes
 from scheduler.hit_index import HitIndex
 from scheduler.lifecycle import Phase, RequestLifecycle
-from tests.sched_helpers import Clock, toks
+from tests.sched_helpers import Clock, plain_room, toks
 from tests.test_deferral import BS, facts, offer, world
 
 
@@ -36,8 +36,8 @@ def held_room(waiters=5):
     p0 and waits, while p1's empty queue keeps the pump evaluating them."""
     clock = Clock(0.0)
     sched = Scheduler([Instance("p0", "prefill"), Instance("p1", "prefill"), Instance("d0", "decode")],
-                      slo=SLO(ttft_s=5.0), block_size=BS, clock=clock, peer_pull=False, defer=True,
-                      defer_horizon_s=0.05, defer_scan=64)
+                      slo=SLO(ttft_s=5.0), block_size=BS, clock=clock, peer_pull=False,
+                      **plain_room(defer_horizon_s=0.05, defer_scan=64))
     room = WaitRoom(sched)
     prefix = toks(7, 4000)
     assert sched.index.block_stored("p0", block_hashes(prefix, BS), None, prefix, BS, "GPU")

@@ -12,7 +12,7 @@ from scheduler.deferral import DeferParams, WaitRoom, split_params
 from scheduler.hashing import block_hashes
 from scheduler.lifecycle import Phase, RequestLifecycle
 from tests.room_stream import drive, hold as _hold
-from tests.sched_helpers import Clock, toks
+from tests.sched_helpers import Clock, plain_room, toks
 
 BS = 16
 DOC = toks(7, 12000)  # the conversation p0 holds
@@ -27,8 +27,8 @@ def world(wait_holder: bool = True, ttft: float = 2.0, **kw):
     once the clock passes it); p1 is idle. Work weight 0: greedy TTFT sends a later turn to p1."""
     clock = Clock(0.0)
     insts = [Instance("p0", "prefill"), Instance("p1", "prefill"), Instance("d0", "decode")]
-    sched = Scheduler(insts, policy="conductor", slo=SLO(ttft_s=ttft), block_size=BS, clock=clock, defer=True,
-                      defer_horizon_s=0.2, defer_wait_holder=wait_holder, peer_pull=False, work_weight=0.0, **kw)
+    sched = Scheduler(insts, policy="conductor", slo=SLO(ttft_s=ttft), block_size=BS, clock=clock, peer_pull=False,
+                      work_weight=0.0, **plain_room(defer_horizon_s=0.2, defer_wait_holder=wait_holder, **kw))
     hold(sched, "p0", DOC)
     for k in range(3):
         busy = toks(1 + k, 10000)
@@ -121,8 +121,8 @@ def _stream(wait_holder: bool | None) -> tuple[list[str], int]:
     clock = Clock(0.0)
     kw = {} if wait_holder is None else {"defer_wait_holder": wait_holder}
     sched = Scheduler([Instance(f"p{k}", "prefill") for k in range(3)] + [Instance("d0", "decode")],
-                      policy="conductor", slo=SLO(ttft_s=3.0), block_size=BS, clock=clock, defer=True,
-                      defer_horizon_s=0.2, peer_pull=False, work_weight=0.0, **kw)
+                      policy="conductor", slo=SLO(ttft_s=3.0), block_size=BS, clock=clock,
+                      peer_pull=False, work_weight=0.0, **plain_room(defer_horizon_s=0.2, **kw))
     docs = [toks(100 + c, 6000) for c in range(6)]
     return drive(sched, clock, lambda k: docs[0 if k % 2 else k // 2 % 6] + toks(k, 1000 + 500 * (k % 5)),  # doc 0 hot
                  "waited_for_holder", BS)

@@ -10,7 +10,7 @@ from scheduler import Instance, Placement, RequestFacts, Scheduler
 from scheduler.deferral import DeferParams, WaitRoom, split_params
 from scheduler.hashing import block_hashes
 from scheduler.lifecycle import Phase, RequestLifecycle
-from tests.sched_helpers import Clock, toks
+from tests.sched_helpers import Clock, plain_room, toks
 
 BS = 16
 
@@ -25,7 +25,7 @@ def test_params():
 def _world(share: bool):
     clock = Clock(0.0)
     sched = Scheduler([Instance("p0", "prefill"), Instance("d0", "decode")], slo=SLO(ttft_s=10.0),
-                      block_size=BS, clock=clock, defer=True, defer_horizon_s=0.2, defer_share=share)
+                      block_size=BS, clock=clock, **plain_room(defer_horizon_s=0.2, defer_share=share))
     return sched, clock, WaitRoom(sched)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import json
 
-from loadgen.simulate.cluster import ClusterSpec
+from loadgen.simulate.cluster import ClusterSpec, SchedulerSpec
 from predictors.telemetry import SLO
 from scheduler.deferral import DEADLINE
 from tests.test_simulate import conductor, run
@@ -13,8 +13,8 @@ from tests.test_simulate import conductor, run
 SLO_TIGHT = SLO(ttft_s=0.5, tbt_s=0.2)
 
 
-def overloaded(**params):
-    return run(n=400, rate=60.0, cluster=ClusterSpec(prefill=2, decode=2, seed=3), slo=SLO_TIGHT,
+def overloaded(policy="conductor", **params):
+    return run(policy, n=400, rate=60.0, cluster=ClusterSpec(prefill=2, decode=2, seed=3), slo=SLO_TIGHT,
                policy_params=params)
 
 
@@ -35,9 +35,26 @@ def test_overloaded_run_ends_every_request_once_and_refuses_at_deadline():
 
 
 def test_off_changes_nothing():
-    plain, off = overloaded(), overloaded(defer=False)
+    # a policy without a wait room of its own (every one but conductor) decides as with defer=off
+    plain, off = overloaded("dynamo_cost"), overloaded("dynamo_cost", defer=False)
     assert [x.to_dict() for x in plain.records] == [x.to_dict() for x in off.records]
     assert plain.scheduler_counts == off.scheduler_counts
+    assert not any("wait_s" in x.extra for x in plain.records)
+
+
+def test_conductor_waits_by_default_and_off_decides_at_arrival():
+    """conductor runs with its wait room (``WAIT_ROOM``) unless ``defer=off``; Algorithm 1 never waits."""
+    default, off, alg1 = overloaded(), overloaded(defer=False), overloaded("conductor_alg1")
+    room = default.stats.wait_room
+    assert room["waited"] > 0 and room["joined"] > 0  # join is part of the default
+    assert sum("wait_s" in x.extra for x in default.records) == default.scheduler_counts["defer_waited"]
+    for r in (off, alg1):
+        assert not r.stats.wait_room and not any("wait_s" in x.extra for x in r.records)
+    # under this overload the room serves more within the SLO than deciding at arrival
+    def met(r):
+        return sum(x.meets(SLO_TIGHT) for x in r.records)
+
+    assert met(default) > met(off)
     assert not any("wait_s" in x.extra for x in off.records)
 
 
@@ -64,3 +81,21 @@ def test_the_command_is_byte_deterministic_with_defer_on(tmp_path):
     assert room["waited"] == room["dispatched"] + room["deadline"] + room["refused"] + room["cancelled"]
     recs = [json.loads(x) for x in (tmp_path / "a" / "requests.jsonl").read_text().splitlines()]
     assert any("wait_s" in (r.get("extra") or {}) for r in recs)
+
+
+def test_a_sweep_pins_a_policy_wherever_it_stands_in_the_list():
+    """``SimConfig.pinned``: an experiment runs conductor as its page measured it (here without the
+    room), second in the list, where --policy-param does not reach."""
+    from loadgen.simulate.sweep import SimConfig, run_sweep
+    from tests.test_simulate import workload
+
+    def sweep(pinned):
+        cfg = SimConfig(base=workload(400, 60.0), cluster=ClusterSpec(prefill=2, decode=2, seed=3),
+                        scheduler=SchedulerSpec(slo=SLO_TIGHT), policies=["round_robin", "conductor"], slo=SLO_TIGHT,
+                        loads=[1.0], workers=1, progress=False, pinned=pinned)
+        return {s.policy: s.records for s in run_sweep(cfg).steps}
+
+    shipped, pinned = sweep({}), sweep({"conductor": {"defer": False}})
+    assert any("wait_s" in x.extra for x in shipped["conductor"])
+    assert not any("wait_s" in x.extra for x in pinned["conductor"])
+    assert [x.to_dict() for x in shipped["round_robin"]] == [x.to_dict() for x in pinned["round_robin"]]

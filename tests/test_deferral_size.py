@@ -10,7 +10,7 @@ from predictors.telemetry import SLO, RequestRecord
 from scheduler import Instance, Placement, Scheduler
 from scheduler.deferral import DeferParams, WaitRoom, split_params
 from scheduler.lifecycle import Phase, RequestLifecycle
-from tests.sched_helpers import Clock
+from tests.sched_helpers import Clock, plain_room
 from tests.test_deferral import facts, offer
 
 
@@ -35,8 +35,8 @@ def test_pool_scale_counts_the_healthy_instances():
 def _room(size: str):
     clock = Clock(0.0)
     insts = [Instance("p0", "prefill"), Instance("d0", "decode")]
-    sched = Scheduler(insts, slo=SLO(ttft_s=4.0), block_size=16, clock=clock, defer=True,
-                      defer_horizon_s=0.2, defer_size=size)
+    sched = Scheduler(insts, slo=SLO(ttft_s=4.0), block_size=16, clock=clock,
+                      **plain_room(defer_horizon_s=0.2, defer_size=size))
     return sched, clock, WaitRoom(sched)
 
 

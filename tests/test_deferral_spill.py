@@ -11,7 +11,7 @@ from scheduler.deferral import DeferParams, WaitRoom, split_params
 from scheduler.hashing import block_hashes
 from scheduler.lifecycle import Phase, RequestLifecycle
 from tests.room_stream import drive, hold as _hold
-from tests.sched_helpers import Clock, toks
+from tests.sched_helpers import Clock, plain_room, toks
 
 BS = 16
 DOC = toks(7, 12000)  # the conversation p0 holds
@@ -25,8 +25,8 @@ def world(spill: bool, ttft: float = 2.0, peer_pull: bool = False, **kw):
     """p0 holds DOC and runs a ~0.31 s prefill (over the 0.2 s horizon); p1 is idle."""
     clock = Clock(0.0)
     insts = [Instance("p0", "prefill"), Instance("p1", "prefill"), Instance("d0", "decode")]
-    sched = Scheduler(insts, policy="conductor", slo=SLO(ttft_s=ttft), block_size=BS, clock=clock, defer=True,
-                      defer_horizon_s=0.2, defer_spill=spill, peer_pull=peer_pull, **kw)
+    sched = Scheduler(insts, policy="conductor", slo=SLO(ttft_s=ttft), block_size=BS, clock=clock,
+                      peer_pull=peer_pull, **plain_room(defer_horizon_s=0.2, defer_spill=spill, **kw))
     hold(sched, "p0", DOC)
     busy = toks(1, 10000)
     hold(sched, "p0", busy[:2000])
@@ -101,8 +101,8 @@ def _stream(spill: bool) -> tuple[list[str], int]:
     """Decisions of a conversation-like stream through a wait room with defer on."""
     clock = Clock(0.0)
     sched = Scheduler([Instance(f"p{k}", "prefill") for k in range(3)] + [Instance("d0", "decode")],
-                      policy="conductor", slo=SLO(ttft_s=3.0), block_size=BS, clock=clock, defer=True,
-                      defer_horizon_s=0.2, defer_spill=spill, peer_pull=False)
+                      policy="conductor", slo=SLO(ttft_s=3.0), block_size=BS, clock=clock,
+                      peer_pull=False, **plain_room(defer_horizon_s=0.2, defer_spill=spill))
     docs = [toks(100 + c, 6000) for c in range(4)]
     return drive(sched, clock, lambda k: docs[k % 4] + toks(k, 200 + 100 * (k % 5)), "spilled_from", BS)
 

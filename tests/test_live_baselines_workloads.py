@@ -17,6 +17,7 @@ from loadgen.workload import read_trace
 from loadgen.workload_args import workload_from_args
 from scheduler.deferral import split_params
 from scheduler.deferral_params import DeferParams
+from scheduler.policies.conductor import WAIT_ROOM
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench", "experiments"))  # live_baselines imports _common by name
@@ -169,7 +170,8 @@ def test_time_scale_reaches_each_gateway_with_its_slo_and_the_wait_rooms_seconds
     assert room.enabled and room.horizon_s == 4 * DeferParams().horizon_s and room.reeval_s == 2.0
     assert room.eval_every_s == 0.016  # the budget per second of the clock: as many per modelled second
     assert room.aging == 0.05 and rest == {}  # a ratio: the same at any time scale
-    assert plain == ()
+    # conductor without --shipped: pinned as the pages measured it, deciding at arrival
+    assert split_params(dict(f.split("=", 1) for f in plain if f != "--policy-param"), WAIT_ROOM)[0] == DeferParams()
     default = GatewayConfig()
     for key in ("upstream_first_byte_timeout_s", "upstream_stall_timeout_s", "upstream_timeout_s"):
         assert getattr(cfg, key) == 4 * getattr(default, key) and getattr(real, key) == getattr(default, key)
@@ -347,3 +349,31 @@ def test_keep_other_slos_reruns_one_slo_and_keeps_the_others_of_the_same_setup(m
     assert e.value.code == 2 and list(tables()) == ["30", "5"]  # the page untouched
     L.main(["--rivals", "random", "--slo-ttft-ms", "5000"])
     assert list(tables()) == ["5"]
+
+
+def test_the_experiments_pin_conductor_as_measured_unless_asked_for_it_as_shipped():
+    # CONDUCTOR_THEN under a page's parameters gives the room every page before measured: none, or a
+    # defer=on setting over the room's own defaults (not conductor's WAIT_ROOM)
+    then, rest = split_params(L.C.CONDUCTOR_THEN, WAIT_ROOM)
+    assert then == DeferParams() and rest == {}
+    setting, _ = split_params({**L.C.CONDUCTOR_THEN, "defer": "on", "defer_scan": "64"}, WAIT_ROOM)
+    assert setting == DeferParams(enabled=True, scan=64)
+    assert L.C.pinned(False) == {"conductor": L.C.CONDUCTOR_THEN} and L.C.pinned(True) == {}
+
+
+def test_shipped_runs_conductor_with_its_room_and_the_rooms_seconds_stretched(monkeypatch, tmp_path):
+    calls = []
+    monkeypatch.setattr(L.C, "start_gateway", lambda *args, **kw: calls.append(kw))
+    for policy, argv in (("conductor", ()), ("conductor", ("--shipped",)),
+                         ("conductor", ("--shipped", "--time-scale", "4")), ("dynamo_cost", ("--shipped",))):
+        L.start(policy, 5000, _args(*argv), tmp_path)
+    plain, shipped, scaled, rival = calls
+    assert plain["policy_params"] is None and not plain["shipped"]  # pinned by start_gateway: defer=off
+    assert shipped["shipped"] and split_params(shipped["policy_params"], WAIT_ROOM)[0] == split_params({}, WAIT_ROOM)[0]
+    room, _ = split_params(scaled["policy_params"], WAIT_ROOM)
+    assert (room.horizon_s, room.reeval_s, room.eval_every_s) == (4.0, 0.4, 0.016) and room.join
+    assert not rival["shipped"] and rival["policy_params"] is None
+    for argv in (["--shipped", "--defer", "--defer-only"], ["--page", "../elsewhere"]):
+        with pytest.raises(SystemExit) as e:
+            L.main(argv)  # refused before any server starts
+        assert e.value.code == 2

@@ -41,11 +41,11 @@ def _trace(n: int, speedup: float = 1.0):
     return sped_up(w, speedup) if speedup != 1.0 else w
 
 
-# conductor as it was when the golden runs were made (before its work term, in-flight prefixes and
-# the FIFO decode wait became defaults): the golden runs pin the simulator and the engine model, not
-# the policy
-_CONDUCTOR_THEN = SchedulerSpec(policy="conductor",
-                                policy_params={"work_weight": 0.0, "inflight": False, "decode_fifo": False})
+# conductor as it was when the golden runs were made (before its work term, in-flight prefixes, the
+# FIFO decode wait and the wait room became defaults): the golden runs pin the simulator and the
+# engine model, not the policy
+_CONDUCTOR_THEN = SchedulerSpec(policy="conductor", policy_params={
+    "work_weight": 0.0, "inflight": False, "decode_fifo": False, "defer": False})
 
 SCENARIOS: dict[str, Any] = {
     "mooncake-8p8d-70b": lambda: (_trace(120), ClusterSpec(prefill=8, decode=8, profile="llama3-70b-a800x8"),

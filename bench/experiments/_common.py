@@ -21,6 +21,8 @@ from loadgen.simulate.report import write_outputs  # noqa: E402
 from loadgen.simulate.sweep import SimConfig, SimOutcome, run_sweep  # noqa: E402
 from loadgen.workload import Workload, read_trace  # noqa: E402
 from predictors.telemetry import SLO  # noqa: E402
+from scheduler.deferral_params import room_defaults  # noqa: E402
+from scheduler.policies.conductor import WAIT_ROOM  # noqa: E402
 
 TRACES = {
     "conversation": ROOT / "data/traces/mooncake_conversation_trace.jsonl",
@@ -62,18 +64,31 @@ def cluster(prefill: int = 0, decode: int = 0, both: int = 0, seed: int = 0) -> 
                        engine={"max_num_batched_tokens": 8192, "max_num_seqs": 256, "host_tier_tokens": 0})
 
 
+#: conductor as the pages measured it before the wait room became its default (default-wait-room.md):
+#: no room, and a ``defer=on`` setting over the room's own defaults. Every experiment runs it so (their
+#: commands reproduce their pages) unless it asks for conductor as shipped (``shipped=True``)
+CONDUCTOR_THEN = {**room_defaults(WAIT_ROOM), "defer": False}
+
+
+def pinned(shipped: bool) -> dict[str, dict[str, Any]]:
+    return {} if shipped else {"conductor": CONDUCTOR_THEN}
+
+
 def sweep(base: Workload, spec: ClusterSpec, policies: list[str], *, loads: list[float], metric_slo: SLO,
           admission_slo: SLO | None = None, predictors: str = "analytic", early_rejection: bool = False,
-          workers: int = 2, out: Path | None = None, seed: int = 0, **sched_extra: Any) -> SimOutcome:
+          workers: int = 2, out: Path | None = None, seed: int = 0, shipped: bool = False,
+          **sched_extra: Any) -> SimOutcome:
     """One ``conductor simulate`` sweep: ``policies`` x ``loads`` (trace speed-ups). The scheduler
     admits against ``admission_slo`` (None: admits everything); attainment and goodput are
-    measured against ``metric_slo``. Full outputs go to ``out`` when given."""
+    measured against ``metric_slo``. Full outputs go to ``out`` when given. ``shipped``: conductor
+    with its own defaults, not ``CONDUCTOR_THEN``."""
     sched = SchedulerSpec(policy=policies[0], slo=admission_slo or SLO(None, None), early_rejection=early_rejection,
                           seed=seed)
     if sched_extra:
         sched = replace(sched, **sched_extra)
     cfg = SimConfig(base=base, cluster=spec, scheduler=sched, policies=policies, slo=metric_slo, load_kind="speedup",
-                    loads=loads, seed=seed, predictors=predictors, workers=workers, progress=False)
+                    loads=loads, seed=seed, predictors=predictors, workers=workers, progress=False,
+                    pinned=pinned(shipped))
     t0 = time.perf_counter()
     outcome = run_sweep(cfg)
     print(f"  {','.join(policies)} x {loads} on {spec.prefill}P+{spec.decode}D+{spec.both}B, predictors {predictors}: "
@@ -86,11 +101,12 @@ def sweep(base: Workload, spec: ClusterSpec, policies: list[str], *, loads: list
 def start_gateway(cfg_dir: Path, name: str, *, policy: str, store: bool, admission: bool, prefill: int, decode: int,
                   ttft_ms: float, tbt_ms: float, extra: str = "",
                   policy_params: dict[str, str] | None = None, time_scale: float = 1.0,
-                  profile: str | None = None) -> tuple[Any, str]:
+                  profile: str | None = None, shipped: bool = False) -> tuple[Any, str]:
     """``conductor serve`` on a free loopback port with its config and log in ``cfg_dir``; returns
     (process, URL) once it is ready. ``extra``: more top-level config lines; ``policy_params``:
     its ``--policy-param`` flags; ``time_scale``: the embedded engines' (wall seconds per modelled one);
-    ``profile``: theirs (None: the embedded default)."""
+    ``profile``: theirs (None: the embedded default); ``shipped``: conductor with its own defaults,
+    not ``CONDUCTOR_THEN``."""
     from tests.servers import serve
 
     cfg = cfg_dir / f"{name}.toml"
@@ -99,7 +115,9 @@ def start_gateway(cfg_dir: Path, name: str, *, policy: str, store: bool, admissi
                                                  ttft_ms=ttft_ms, tbt_ms=tbt_ms)
                    + ("" if time_scale == 1 else f"time_scale = {time_scale:g}\n")  # [embedded] is the last table
                    + ("" if profile is None else f'profile = "{profile}"\n'))
-    flags = [x for k, v in (policy_params or {}).items() for x in ("--policy-param", f"{k}={v}")]
+    pin = pinned(shipped).get(policy, {})
+    params = {**{k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in pin.items()}, **(policy_params or {})}
+    flags = [x for k, v in params.items() for x in ("--policy-param", f"{k}={v}")]
     return serve(str(cfg), str(cfg_dir / f"{name}.log"), *flags, timeout_s=120)
 
 

@@ -84,9 +84,9 @@ def telemetry(w: Workload, spec, slo: SLO, loads: list[float]) -> list[RequestRe
     out: list[RequestRecord] = []
     for k, load in enumerate(loads):
         t = time.perf_counter()
-        recs = simulate(sped_up(w, load), spec, SchedulerSpec(policy="conductor", slo=slo), progress=None,
-                        predictors=predictors_factory("analytic", spec), label=f"train {load:g}",
-                        id_prefix=f"s{k}-t0").records
+        sched = SchedulerSpec(policy="conductor", slo=slo, policy_params=C.CONDUCTOR_THEN)  # as when calibrated
+        recs = simulate(sped_up(w, load), spec, sched, progress=None, predictors=predictors_factory("analytic", spec),
+                        label=f"train {load:g}", id_prefix=f"s{k}-t0").records
         print(f"  telemetry {len(recs)} requests at {load:g}x: {time.perf_counter() - t:.0f} s", file=sys.stderr,
               flush=True)
         out += recs

@@ -51,6 +51,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -64,6 +65,7 @@ from gateway.config import GatewayConfig  # noqa: E402
 from loadgen.runner import RunnerOptions  # noqa: E402
 from predictors.cli_args import key_value  # noqa: E402
 from scheduler.deferral_params import DeferParams  # noqa: E402
+from scheduler.policies.conductor import WAIT_ROOM  # noqa: E402
 from tests.servers import stop  # noqa: E402
 
 TRACE = "data/traces/mooncake_conversation_trace.jsonl"
@@ -219,11 +221,14 @@ def predictors_config(w: LiveWorkload) -> str:
 def start(policy: str, ttft_ms: float, a: argparse.Namespace, cfg_dir: Path) -> tuple[Any, str]:
     base, _, variant = policy.partition("+")  # conductor+defer: conductor, deferred dispatch on
     w = WORKLOADS[a.workload]
+    shipped = a.shipped and policy == "conductor"  # its own wait room, the room's seconds stretched
+    params = (scaled_params(defer_params(a, variant), a.time_scale) if variant
+              else scaled_params({k: f"{v:g}" for k, v in WAIT_ROOM.items() if k.endswith("_s")}, a.time_scale)
+              if shipped else None)
     return C.start_gateway(cfg_dir, f"{policy}-{ttft_ms:g}", policy=base, store=False, admission=True,
                            extra=health_config(a) + upstream_config(a) + predictors_config(w), prefill=a.prefill,
                            decode=a.decode, ttft_ms=ttft_ms * a.time_scale, tbt_ms=a.slo_tbt_ms * a.time_scale,
-                           time_scale=a.time_scale, profile=w.profile,
-                           policy_params=scaled_params(defer_params(a, variant), a.time_scale) if variant else None)
+                           time_scale=a.time_scale, profile=w.profile, policy_params=params, shipped=shipped)
 
 
 def run_slo(policies: list[str], ttft_ms: float, w: LiveWorkload, a: argparse.Namespace,
@@ -367,6 +372,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--defer-b", action="append", type=key_value, default=[], metavar="KEY=VALUE",
                    help="with --defer: also run conductor+defer-b, conductor+defer with this parameter on top "
                         "(repeatable): an A/B of a deferral setting in the same run, e.g. defer_reeval_s=0.5")
+    p.add_argument("--page", help="write docs/experiments/PAGE.md (and out/experiments/PAGE/) instead of the "
+                                  "workload's own page: another setup of the same workload beside it")
+    p.add_argument("--shipped", action="store_true",
+                   help="conductor as shipped, its default wait room included (docs/experiments/default-wait-room.md); "
+                        "without it the conductor target decides at arrival (defer=off), as the pages before measured")
     p.add_argument("--one-at-a-time", action="store_true",
                    help="one gateway up at a time: each repetition of each target its own gateway and loadgen run "
                         "(same order), so the idle clusters of the other targets do not share the cores")
@@ -408,6 +418,12 @@ def main(argv: list[str] | None = None) -> None:
     p = parser()
     a = p.parse_args(argv)
     w = WORKLOADS[a.workload]
+    if a.page is not None:
+        if not re.fullmatch(r"[a-z0-9][a-z0-9-]*", a.page):
+            p.error(f"--page: lowercase letters, digits and dashes, got {a.page!r}")
+        w = dataclasses.replace(w, page=a.page)
+    if a.shipped:
+        w = dataclasses.replace(w, title=f"{w.title}, conductor as shipped")
     rivals = w.rivals if a.rivals is None else a.rivals
     policies = [*([] if a.defer_only else ["conductor"]), *(["conductor+defer"] if a.defer else []),
                 *(["conductor+defer-b"] if a.defer_b else []),
@@ -420,6 +436,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--rivals: conductor and each rival once; --slo-ttft-ms: at least one value")
     if (a.defer_param or a.defer_b or a.defer_only) and not a.defer:
         p.error("--defer-param, --defer-b and --defer-only need --defer")
+    if a.shipped and a.defer_only:
+        p.error("--shipped is conductor's target, which --defer-only drops")
     if w.models is not None and not (C.ROOT / w.models / "models.json").exists():
         p.error(f"--workload {a.workload}: no learned predictors in {w.models} ({w.models_from})")
     if any(v is not None and not v > 0 for v in (a.limit, a.speedup, a.rate, a.health_timeout_s, a.time_scale)):
@@ -445,6 +463,10 @@ def write_page(w: LiveWorkload, a: argparse.Namespace, results: dict[str, Any]) 
                                                    "results": results})
     minutes = sum(r["wall_s"] for r in results.values() if not r.get("kept")) / 60
     about = f"{w.about}\n" if w.about else ""
+    if a.shipped:
+        about += ("conductor runs as shipped (`--shipped`): no `--policy-param` but the wait room's seconds stretched "
+                  "by the time scale, so its default wait room `" + " ".join(
+                      f"{k}={({True: 'on', False: 'off'}).get(v, v)}" for k, v in WAIT_ROOM.items()) + "`.\n")
     if a.defer_param:
         about += ("conductor+defer runs with `" + " ".join(f"{k}={v}" for k, v in defer_params(a).items())
                   + "` (`--policy-param`s).\n")

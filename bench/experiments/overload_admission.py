@@ -56,11 +56,13 @@ def summarise(records: list[RequestRecord], t: dict[str, Any], slo: SLO) -> dict
 
 
 def sweep(w, spec, policies: list[str], load: float, slo: SLO, pred: str, params: dict[str, Any], workers: int,
-          out: Path | None, seed: int = 0) -> dict[str, tuple[dict[str, Any], list[RequestRecord]]]:
+          out: Path | None, seed: int = 0, shipped: bool = False
+          ) -> dict[str, tuple[dict[str, Any], list[RequestRecord]]]:
     """policy -> (summary, records) of one sweep (``params`` go to the first policy only; ``seed``:
-    the scheduler's tie-breaks and the prompts' salt, as ``conductor simulate --seed``)."""
+    the scheduler's tie-breaks and the prompts' salt, as ``conductor simulate --seed``; ``shipped``:
+    conductor with its own defaults, C.sweep's)."""
     o = C.sweep(w, spec, policies, loads=[load], metric_slo=slo, admission_slo=slo, predictors=pred,
-                workers=workers, out=out, policy_params=params, seed=seed)
+                workers=workers, out=out, policy_params=params, seed=seed, shipped=shipped)
     by: dict[str, list[RequestRecord]] = {}
     for s in o.steps:
         by.setdefault(s.policy, []).extend(s.records)

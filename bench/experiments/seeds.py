@@ -47,18 +47,18 @@ def _run(job: tuple[Any, ...]) -> tuple[float, float]:
     return float(summary["slo_attainment"] or 0.0), float(summary["hit_ratio"] or 0.0)
 
 
-def point_summary(runs: dict[str, list[float]]) -> dict[str, Any]:
-    """Per seed: the best other policy and conductor + defer's ratio to it; over seeds: the ratios'
-    mean and range, and the ratio of conductor + defer's mean attainment to the best mean of another."""
-    others = {k: v for k, v in runs.items() if k != DEFERRED}
-    ours = runs[DEFERRED]
+def point_summary(runs: dict[str, list[float]], label: str = DEFERRED) -> dict[str, Any]:
+    """Per seed: the best other policy and ``label``'s (conductor + defer's) ratio to it; over seeds: the
+    ratios' mean and range, and the ratio of its mean attainment to the best mean of another."""
+    others = {k: v for k, v in runs.items() if k != label}
+    ours = runs[label]
     best = [max(others, key=lambda k, i=i: others[k][i]) for i in range(len(ours))]
     ratios = [ours[i] / max(others[b][i], 1e-9) for i, b in enumerate(best)]
     means = {k: statistics.mean(v) for k, v in runs.items()}
-    best_mean = max((k for k in means if k != DEFERRED), key=means.__getitem__)
+    best_mean = max((k for k in means if k != label), key=means.__getitem__)
     return {"best": best, "ratios": ratios, "ratio_mean": statistics.mean(ratios), "ratio_min": min(ratios),
             "ratio_max": max(ratios), "means": means, "best_mean": best_mean,
-            "ratio_of_means": means[DEFERRED] / max(means[best_mean], 1e-9)}
+            "ratio_of_means": means[label] / max(means[best_mean], 1e-9)}
 
 
 def others(name: str, every: bool) -> list[str]:
@@ -199,16 +199,16 @@ def reuse_bounds() -> dict[str, float]:
     return {r["workload"]: r["reuse_bound"]["lru_hit_ratio"] for r in saved["results"]}
 
 
-def hits_table(results: list[dict[str, Any]]) -> str:
-    """Prefix hit, mean over the seeds: conductor + defer against the other policy with the most, and
-    the reuse bound (empty for results recorded before hits were)."""
+def hits_table(results: list[dict[str, Any]], label: str = DEFERRED) -> str:
+    """Prefix hit, mean over the seeds: ``label`` (conductor + defer) against the other policy with the
+    most, and the reuse bound (empty for results recorded before hits were)."""
     bound, rows = reuse_bounds(), []
     for r in results:
         for pt in r["points"]:
             if "hits" not in pt:
                 return ""
             m = {k: statistics.mean(v) for k, v in pt["hits"].items()}
-            ours, b = m.pop(DEFERRED), bound.get(r["workload"])
+            ours, b = m.pop(label), bound.get(r["workload"])
             top = max(m, key=m.__getitem__)
             none = b is not None and b < NO_REUSE  # a trace without reuse: hits are noise, nothing to compare
             rows.append([r["workload"], f"{pt['ttft_s']:g} s", D.load_label(r["workload"], pt["load"]),
@@ -220,8 +220,8 @@ Prefix hit (prompt tokens served from cache over the completed requests, mean ov
 the other policy with the most, and the reuse bound (goodput-curves.md: one global LRU of the prefill
 instances' KV over the slice; a policy can exceed it, since it counts the completed requests only):
 
-""" + C.md_table(["workload", "TTFT SLO", "load", "conductor + defer", "most of another", "at least as much",
-                  "reuse bound", "conductor + defer / bound"], rows)
+""" + C.md_table(["workload", "TTFT SLO", "load", label, "most of another", "at least as much",
+                  "reuse bound", f"{label} / bound"], rows)
 
 
 def main() -> None:

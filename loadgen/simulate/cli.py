@@ -71,7 +71,7 @@ def build_parser() -> Parser:
     s = p.add_argument_group("scheduler")
     s.add_argument("--policy", default="conductor", help=f"policy: {', '.join(POLICIES)}")
     s.add_argument("--policy-param", type=key_value, action="append", default=[], metavar="KEY=VALUE",
-                   help="a parameter of --policy (repeatable)")
+                   help="a parameter of --policy (repeatable), e.g. defer=off (conductor without its wait room)")
     s.add_argument("--compare", metavar="POLICY[,POLICY...]",
                    help="also run these policies on the same cluster and workload, side by side")
     s.add_argument("--predictors", default="analytic", metavar="analytic|oracle|DIR",

@@ -39,6 +39,9 @@ class SimConfig:
     workers: int = 2
     progress: bool = True
     regenerate: Callable[[float], Workload] | None = None  # synthetic workloads at a rate
+    # per policy, parameters it runs with under any --policy-param (an experiment pins a policy as
+    # its page measured it, e.g. conductor before the wait room was its default)
+    pinned: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass
@@ -78,7 +81,7 @@ def _simulate(cfg: SimConfig, policy: str, load: float, progress: bool) -> tuple
 
     w = workload_at(cfg, load)
     # --policy-param belongs to the first policy (the others run with their defaults)
-    params = cfg.scheduler.policy_params if policy == cfg.policies[0] else {}
+    params = {**cfg.pinned.get(policy, {}), **(cfg.scheduler.policy_params if policy == cfg.policies[0] else {})}
     admits = cfg.admission == "all" or (cfg.admission == "conductor" and policy.startswith("conductor"))
     sched = replace(cfg.scheduler, policy=policy, policy_params=params, admission=admits)
     label = f"{policy} @ {load_label(cfg.load_kind, load)}"

@@ -93,6 +93,9 @@ class Policy(ABC):
     Params: ClassVar[type] = NoParams
     # overload admission by cost (scheduler/overload.py) by default; ``cost_admission=on|off`` overrides
     cost_admission: ClassVar[bool] = False
+    # the wait room's settings by default (``defer_*`` parameters, scheduler/deferral_params.py; empty:
+    # no wait room unless ``defer=on``); the policy's own parameters override each
+    wait_room: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, **params: Any):
         self.params = parse_params(self.Params, params, self.name)

@@ -11,7 +11,15 @@ default): pull when the transfer is faster than the prefill it saves. An overloa
 loses to an idle instance that fetches the prefix itself, and that fetch is how hot prefixes
 replicate. The decode instance balances load: the lowest predicted TBT once this request joins.
 
-``conductor`` (the default) changes four things, each measured in the virtual-time simulator:
+``conductor`` (the default) changes five things, each measured in the virtual-time simulator:
+* the wait room (``WAIT_ROOM`` below, scheduler/deferral.py; ``defer=off`` decides at arrival, as
+  Algorithm 1): a request behind more than 1 s of predicted prefill queue waits at the gateway,
+  holding nothing, and the cheapest waiting request goes as queues drain. An engine serves its queue
+  first come first served, so a scheduler that decides at arrival admits whichever request arrives
+  while a queue is short; shortest job first serves more requests within the SLO. As the default it
+  reaches 1.2x the best other policy at some load of every workload at both TTFT SLOs at 8P+8D
+  (docs/experiments/default-wait-room.md). It applies only when the scheduler admits against the
+  SLO (the room refuses a waiter at its deadline);
 * the work term (``work_weight``, default 1): minimise TTFT + w x the work the request adds to
   the instance (its transfer + prefill there). Greedy TTFT recomputes a cached prefix elsewhere
   to skip a queue, spending capacity that every later request waits for;
@@ -42,7 +50,7 @@ replicate. The decode instance balances load: the lowest predicted TBT once this
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Hashable, Literal
+from typing import Any, ClassVar, Hashable, Literal
 
 from predictors.types import Role, Tier
 from scheduler.cost import DecisionContext, DecodeCandidate, PrefillCandidate, Terms
@@ -51,6 +59,17 @@ from scheduler.policies.base import DecodeChoice, Policy, PrefillChoice, argmin_
 from scheduler.policies.conductor_affinity import near_tie_holder
 from scheduler.policies.conductor_future import add_future, bound_to, is_new, why_future
 from scheduler.policies.conductor_leastwork import least_work_within_headroom
+
+#: the wait room conductor runs with unless told otherwise (``defer=off``: decide at arrival, as
+#: Algorithm 1): hold a request behind a prefill queue longer than 1 s, cheapest first, 0.05 s of
+#: cost forgiven per second waited; wait for a busy prefix holder over a placement costing 1.5x its
+#: prefill; arrivals join the room while anyone waits; a waiter evaluated again after 0.1 s, at most
+#: one evaluation per 4 ms of the clock on average (a live gateway's event loop). Chosen on the
+#: training slices (docs/experiments/deferral.md, tight-overload.md) and measured as the default in
+#: docs/experiments/default-wait-room.md
+WAIT_ROOM: dict[str, Any] = {
+    "defer": True, "defer_scan": 64, "defer_aging": 0.05, "defer_wait_holder": True, "defer_holder_ratio": 1.5,
+    "defer_join": True, "defer_reeval_s": 0.1, "defer_eval_every_s": 0.004}
 
 
 @dataclass(frozen=True)
@@ -112,6 +131,7 @@ class ConductorPolicy(Policy):
     # overload admission by cost stays opt-in (cost_admission=on): measured, it moved goodput by
     # -2.8 to +4.2 points and costs the longest prompts (docs/experiments/overload-admission.md)
     cost_admission = False
+    wait_room = WAIT_ROOM
     params: ConductorParams
 
     def __init__(self, **params: Any):
@@ -291,3 +311,4 @@ class ConductorAlg1Policy(ConductorPolicy):
     source = "Mooncake FAST'25 Algorithm 1 as published (the reference our conductor departs from)"
     Params = ConductorAlg1Params
     cost_admission = False
+    wait_room: ClassVar[dict[str, Any]] = {}  # Algorithm 1 decides at arrival
