@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Iterable, Literal, get_args
+from typing import Any, Iterable, Literal, Mapping, get_args
 
 from scheduler.policies.base import _coerce  # the same parsing as every policy parameter
 
@@ -102,7 +102,7 @@ def room_defaults(keys: Iterable[str]) -> dict[str, Any]:
     return {key: getattr(plain, PARAM_KEYS[key]) for key in keys}
 
 
-def split_params(policy_params: dict[str, Any], defaults: dict[str, Any] | None = None
+def split_params(policy_params: dict[str, Any], defaults: Mapping[str, Any] | None = None
                  ) -> tuple[DeferParams, dict[str, Any]]:
     """The deferral parameters out of a policy's raw parameters (TOML natives or
     ``--policy-param`` strings), and the rest for the policy. ``defaults``: the policy's own

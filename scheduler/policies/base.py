@@ -13,7 +13,8 @@ import random
 import typing
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Literal, Sequence, TypeVar
+from types import MappingProxyType
+from typing import Any, Callable, ClassVar, Literal, Mapping, Sequence, TypeVar
 
 from scheduler.cost import DecisionContext, DecodeCandidate, PrefillCandidate, Terms
 
@@ -95,7 +96,7 @@ class Policy(ABC):
     cost_admission: ClassVar[bool] = False
     # the wait room's settings by default (``defer_*`` parameters, scheduler/deferral_params.py; empty:
     # no wait room unless ``defer=on``); the policy's own parameters override each
-    wait_room: ClassVar[dict[str, Any]] = {}
+    wait_room: ClassVar[Mapping[str, Any]] = MappingProxyType({})
 
     def __init__(self, **params: Any):
         self.params = parse_params(self.Params, params, self.name)

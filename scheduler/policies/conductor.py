@@ -50,7 +50,8 @@ replicate. The decode instance balances load: the lowest predicted TBT once this
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar, Hashable, Literal
+from types import MappingProxyType
+from typing import Any, ClassVar, Hashable, Literal, Mapping
 
 from predictors.types import Role, Tier
 from scheduler.cost import DecisionContext, DecodeCandidate, PrefillCandidate, Terms
@@ -67,9 +68,9 @@ from scheduler.policies.conductor_leastwork import least_work_within_headroom
 #: one evaluation per 4 ms of the clock on average (a live gateway's event loop). Chosen on the
 #: training slices (docs/experiments/deferral.md, tight-overload.md) and measured as the default in
 #: docs/experiments/default-wait-room.md
-WAIT_ROOM: dict[str, Any] = {
+WAIT_ROOM: Mapping[str, Any] = MappingProxyType({
     "defer": True, "defer_scan": 64, "defer_aging": 0.05, "defer_wait_holder": True, "defer_holder_ratio": 1.5,
-    "defer_join": True, "defer_reeval_s": 0.1, "defer_eval_every_s": 0.004}
+    "defer_join": True, "defer_reeval_s": 0.1, "defer_eval_every_s": 0.004})
 
 
 @dataclass(frozen=True)
@@ -311,4 +312,4 @@ class ConductorAlg1Policy(ConductorPolicy):
     source = "Mooncake FAST'25 Algorithm 1 as published (the reference our conductor departs from)"
     Params = ConductorAlg1Params
     cost_admission = False
-    wait_room: ClassVar[dict[str, Any]] = {}  # Algorithm 1 decides at arrival
+    wait_room: ClassVar[Mapping[str, Any]] = MappingProxyType({})  # Algorithm 1 decides at arrival
