@@ -44,6 +44,7 @@ import time
 from array import array
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -98,8 +99,10 @@ def constant_predictors() -> Predictors:
     return Predictors(queue=AnalyticQueue(), prefill=c, transfer=c, tbt=c, group=lambda instance: 0)
 
 
-def build(policy: str, seed: int, quick: bool, models: str | None = None) -> tuple[Scheduler, dict]:
-    """``models``: None (analytic), a learned predictors directory, or ``"constant"`` (the floor)."""
+def build(policy: str, seed: int, quick: bool, models: str | None = None, **sched_kw: Any
+          ) -> tuple[Scheduler, dict]:
+    """``models``: None (analytic), a learned predictors directory, or ``"constant"`` (the floor);
+    ``sched_kw``: more Scheduler arguments (bench/room_arrival.py: an SLO and the wait room's)."""
     rng = random.Random(seed)
     now = [0.0]
     insts = [Instance(f"p{i:02d}", "prefill") for i in range(N_PREFILL)]
@@ -107,7 +110,7 @@ def build(policy: str, seed: int, quick: bool, models: str | None = None) -> tup
     predictors = None if models is None else (
         constant_predictors() if models == "constant" else learned_predictors(models))  # online: per-instance groups
     sched = Scheduler(insts, policy=policy, clock=lambda: now[0], keep_decisions=1000, seed=seed,
-                      predictors=predictors)
+                      predictors=predictors, **sched_kw)
     docs = [tokens(rng, rng.randrange(2048, 8192)) for _ in range(64 if quick else 256)]
     sessions: dict[str, list[array]] = {}
     target = (100_000 if quick else 1_000_000) // N_PREFILL

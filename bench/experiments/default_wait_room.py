@@ -7,9 +7,9 @@ With deferral.md's cluster, calibrated predictors and evaluation slices (8P+8D, 
 every policy admitting against the SLO): conductor with no parameter at all (its ``WAIT_ROOM``,
 scheduler/policies/conductor.py) for seeds 0..N-1, against every other built-in policy's per-seed
 attainment stored by those pages (their code is unchanged: the best other's seed-0 run is rerun here
-and both figures shown) and beside the pages' conductor + defer (the setting each workload's
-training slice chose). Writes docs/experiments/default-wait-room.md (+ results.json);
-``--from-results`` re-renders it.
+and both figures shown), beside the pages' conductor + defer (the setting each workload's
+training slice chose), and, at seed 0, against itself with the oracle predictors. Writes
+docs/experiments/default-wait-room.md (+ results.json); ``--from-results`` re-renders it.
 """
 from __future__ import annotations
 
@@ -58,23 +58,27 @@ def evaluate(name: str, a: argparse.Namespace) -> list[dict[str, Any]]:
               for page, by in SOURCES.items() for ttft, load in by.get(name, [])]
     jobs = [(w, spec, "conductor", load, ttft, a.slo_tbt_ms, str(model_dir), seed, True)
             for _, ttft, load, _ in points for seed in range(a.seeds)]
-    # the check: the best other of seed 0, run again with today's code
+    # the check: the best other of seed 0, run again with today's code; then conductor as shipped
+    # with the oracle predictors (the engine model's own timing), seed 0
     jobs += [(w, spec, pt["best"][0], load, ttft, a.slo_tbt_ms, str(model_dir), 0, False)
              for _, ttft, load, pt in points]
+    jobs += [(w, spec, "conductor", load, ttft, a.slo_tbt_ms, "oracle", 0, True) for _, ttft, load, _ in points]
     with ProcessPoolExecutor(a.workers) as ex:
-        res = list(ex.map(_run, jobs))
-    ours, rerun = iter(res[:len(points) * a.seeds]), iter(res[len(points) * a.seeds:])
+        res = iter(ex.map(_run, jobs))
+    ours = [[next(res) for _ in range(a.seeds)] for _ in points]
+    rerun, oracle = [next(res) for _ in points], [next(res) for _ in points]
     out = []
-    for page, ttft, load, pt in points:
-        mine = [next(ours) for _ in range(a.seeds)]
+    for k, (page, ttft, load, pt) in enumerate(points):
+        mine = ours[k]
         others = {k: v[:a.seeds] for k, v in pt["runs"].items() if k != S.DEFERRED}
         runs = {SHIPPED: [x[0] for x in mine], **others}
         s = S.point_summary(runs, SHIPPED)
-        check = next(rerun)
+        check = rerun[k]
         row = {"page": page, "ttft_s": ttft, "load": load, "runs": runs, "hits": {SHIPPED: [x[1] for x in mine],
                **{k: v[:a.seeds] for k, v in pt["hits"].items() if k != S.DEFERRED}},
                "page_setting": pt["setting"], "page_defer": pt["runs"][S.DEFERRED][:a.seeds],
-               "check": {"policy": pt["best"][0], "stored": pt["runs"][pt["best"][0]][0], "rerun": check[0]}, **s}
+               "check": {"policy": pt["best"][0], "stored": pt["runs"][pt["best"][0]][0], "rerun": check[0]},
+               "oracle": oracle[k][0], **s}
         print(f"  {name} {ttft:g}s {load:g}: ratio {s['ratio_mean']:.3f} ({s['ratio_min']:.3f}-{s['ratio_max']:.3f}); "
               f"check {row['check']}", file=sys.stderr, flush=True)
         out.append(row)
@@ -83,7 +87,7 @@ def evaluate(name: str, a: argparse.Namespace) -> list[dict[str, Any]]:
 
 def render(results: list[dict[str, Any]], command: str, seeds: int) -> str:
     setting = " ".join(f"{k}={({True: 'on', False: 'off'}).get(v, v)}" for k, v in WAIT_ROOM.items())
-    rows, checks = [], []
+    rows, checks, oracle = [], [], []
     for r in results:
         for pt in r["points"]:
             where = [r["workload"], f"{pt['ttft_s']:g} s", D.load_label(r["workload"], pt["load"])]
@@ -96,6 +100,10 @@ def render(results: list[dict[str, Any]], command: str, seeds: int) -> str:
                          f"{statistics.mean(pt['runs'][SHIPPED]) - page_mean:+.1%}".replace("%", " pt")])
             c = pt["check"]
             checks.append([*where, c["policy"], C.pct(c["stored"]), C.pct(c["rerun"])])
+            if "oracle" in pt:
+                ours0, o = pt["runs"][SHIPPED][0], pt["oracle"]
+                oracle.append([*where, C.pct(ours0), C.pct(o), f"**{ours0 / max(o, 1e-9):.2f}**",
+                               "yes" if ours0 >= 0.9 * o - 1e-9 else "**no**"])
     return f"""
 **Command** (regenerates this block and results.json):
 
@@ -120,7 +128,13 @@ pages' conductor + defer (the room setting each workload's training slice chose)
 
 **Check**: each point's seed-0 best other, as its page recorded it and rerun now:
 
-""" + C.md_table(["workload", "TTFT SLO", "load", "policy", "recorded", "rerun"], checks) + "\n"
+""" + C.md_table(["workload", "TTFT SLO", "load", "policy", "recorded", "rerun"], checks) + ("" if not oracle else """
+
+**The oracle gap** (issue 15: within 10% of `--predictors oracle`): conductor as shipped, seed 0,
+with the learned predictors and with the oracle's (the engine model's own timing):
+
+""" + C.md_table(["workload", "TTFT SLO", "load", "learned", "oracle", "learned / oracle", "0.9 or more"],
+                 oracle)) + "\n"
 
 
 def main() -> None:
