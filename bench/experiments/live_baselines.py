@@ -221,10 +221,12 @@ def predictors_config(w: LiveWorkload) -> str:
 def start(policy: str, ttft_ms: float, a: argparse.Namespace, cfg_dir: Path) -> tuple[Any, str]:
     base, _, variant = policy.partition("+")  # conductor+defer: conductor, deferred dispatch on
     w = WORKLOADS[a.workload]
-    shipped = a.shipped and policy == "conductor"  # its own wait room, the room's seconds stretched
-    params = (scaled_params(defer_params(a, variant), a.time_scale) if variant
-              else scaled_params({k: f"{v:g}" for k, v in WAIT_ROOM.items() if k.endswith("_s")}, a.time_scale)
-              if shipped else None)
+    shipped = a.shipped and policy == "conductor"
+    params = None
+    if variant:
+        params = scaled_params(defer_params(a, variant), a.time_scale)
+    elif shipped:  # its own wait room, with the room's seconds stretched as the SLO is
+        params = scaled_params({k: f"{v:g}" for k, v in WAIT_ROOM.items() if k.endswith("_s")}, a.time_scale)
     return C.start_gateway(cfg_dir, f"{policy}-{ttft_ms:g}", policy=base, store=False, admission=True,
                            extra=health_config(a) + upstream_config(a) + predictors_config(w), prefill=a.prefill,
                            decode=a.decode, ttft_ms=ttft_ms * a.time_scale, tbt_ms=a.slo_tbt_ms * a.time_scale,
