@@ -194,18 +194,16 @@ class WaitRoom:
         joined = view is None and self.params.join and bool(self._waiting) and isinstance(ev, Placement)
         if joined:
             view = holdable(ev, slo, self.params, self._scale(), join=True)
-        self._frame = None
-        if view is None:
-            self._matches.pop(facts.request_id, None)
-            return lc.decide(facts)
+        frame, self._frame = self._frame, None
+        if view is None:  # it goes now, decided through the evaluation's frame (nothing decided since)
+            return self._decide_now(lc, facts, frame)
         now = sched.clock()
         # a joiner is evaluated again by the pump that comes at once, whatever ``reeval_s``
         w = Waiter(lc, facts, now, slo, view.cost_s, view.floor_s, next(self._seq),
                    evaluated_s=-math.inf if joined else now)
         w.update(view)
         if w.due_s <= now:  # it barely fits now: waiting could only lose it
-            self._matches.pop(facts.request_id, None)
-            return lc.decide(facts)
+            return self._decide_now(lc, facts, frame)
         lc.wait()
         self._waiting[facts.request_id] = w
         if self.params.share:
@@ -216,6 +214,15 @@ class WaitRoom:
             self.counts["joined"] += 1
             self._joined = True  # next_wakeup: now
         return None
+
+    def _decide_now(self, lc: RequestLifecycle, facts: RequestFacts, frame: LoadFrame | None
+                    ) -> Placement | Rejection:
+        """An arrival that goes at once: decided reusing the frame its evaluation just filled (the
+        load views and its hit-index answer: one pass of the decision stages' reads, not two)."""
+        try:
+            return lc.decide(facts, frame=frame)
+        finally:
+            self._matches.pop(facts.request_id, None)
 
     def _evaluate(self, facts: RequestFacts, avoid: set[str] | None = None) -> Placement | Rejection:
         """``Scheduler.evaluate`` through the current frame (a new one after any decision)."""

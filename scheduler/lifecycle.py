@@ -30,6 +30,7 @@ from enum import StrEnum
 from typing import Any
 
 from predictors.telemetry import RequestRecord
+from scheduler.frame import LoadFrame
 from scheduler.scheduler import Scheduler
 from scheduler.types import OVER_SLO, Placement, Rejection, RequestFacts
 
@@ -97,7 +98,7 @@ class RequestLifecycle:
 
     # --- placement ----------------------------------------------------------------------
     def decide(self, facts: RequestFacts | None = None, exclude: Iterable[str] = (),
-               avoid: Iterable[str] = ()) -> Placement | Rejection:
+               avoid: Iterable[str] = (), frame: LoadFrame | None = None) -> Placement | Rejection:
         """Ask the scheduler for a (prefill, decode) pair, avoiding ``exclude`` and every instance
         a retry excluded; ``avoid``: this decision only, not a prefill destination but still a
         holder to pull from. ``facts`` may be omitted after the first call (a retry reuses them).
@@ -115,7 +116,7 @@ class RequestLifecycle:
         if self.excluded:
             d = self.scheduler.retry_excluding(self.facts, self.excluded, **kw)
         else:
-            d = self.scheduler.decide(self.facts, **kw)
+            d = self.scheduler.decide(self.facts, frame=frame, **kw)
         rec = self.record
         rec.decided_s = self.clock()
         if isinstance(d, Rejection):

@@ -276,11 +276,14 @@ class Scheduler:
         return out
 
     # --- request lifecycle --------------------------------------------------------------
-    def decide(self, facts: RequestFacts, avoid: Collection[str] = ()) -> Placement | Rejection:
+    def decide(self, facts: RequestFacts, avoid: Collection[str] = (),
+               frame: LoadFrame | None = None) -> Placement | Rejection:
         """Place a request or refuse it; never raises. ``avoid``: prefill instances it must not be
         placed on, which still serve their cached prefix to a peer pull (the wait room's spill,
-        scheduler/deferral.py)."""
-        return self._guarded(facts, frozenset(), commit=True, avoid=avoid)
+        scheduler/deferral.py). ``frame``: the one an evaluation of this request was just made
+        through, nothing decided since (the wait room letting an arrival go at once): its load views
+        and hit-index answer are read again, not recomputed."""
+        return self._guarded(facts, frozenset(), commit=True, avoid=avoid, frame=frame)
 
     def evaluate(self, facts: RequestFacts, avoid: Collection[str] = (),
                  frame: LoadFrame | None = None) -> Placement | Rejection:

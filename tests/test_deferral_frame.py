@@ -160,3 +160,30 @@ def test_an_evaluations_record_reads_the_same_as_the_decisions_and_its_cheapest_
     rows = candidates(d.explanation, "prefill")
     assert cost == min(r["transfer_s"] + r["prefill_s"] for r in rows) == cheapest_prefill_s(d.explanation)
     assert cheapest_prefill_s(ev.explanation) == cost  # and after it was built
+
+
+def test_an_arrival_that_goes_at_once_is_decided_through_its_evaluations_frame():
+    """The room evaluates an arrival, then decides it when it goes at once: the decision reads the
+    evaluation's frame (one index walk, not two) and places it as a fresh decide would."""
+    def idle_world(room_on: bool):
+        clock = Clock(0.0)
+        sched = Scheduler([Instance("p0", "prefill"), Instance("p1", "prefill"), Instance("d0", "decode")],
+                          slo=SLO(ttft_s=5.0), block_size=BS, clock=clock, defer=room_on)
+        prefix = toks(7, 4000)
+        assert sched.index.block_stored("p1", block_hashes(prefix, BS), None, prefix, BS, "GPU")
+        return sched, clock, prefix + toks(9, 300)
+
+    sched, clock, text = idle_world(True)
+    arrival = RequestFacts("a", len(text), block_hashes(text, BS), 8)
+    room = WaitRoom(sched)
+    walks = count(sched.index, "match")
+    lc = RequestLifecycle(sched, RequestRecord("a", 0.0), clock)
+    d = room.offer(lc, arrival)
+    assert isinstance(d, Placement) and lc.phase is Phase.PLACED and room.counts["evaluations"] == 1
+    assert len(walks) == 1 and room._matches == {}  # the decide reused the evaluation's walk, then forgot it
+    plain, clock2, _ = idle_world(False)
+    fresh = RequestLifecycle(plain, RequestRecord("a", 0.0), clock2).decide(arrival)
+    assert isinstance(fresh, Placement)
+    assert (d.prefill, d.decode, d.hit_tokens, d.ttft_s) == (fresh.prefill, fresh.decode, fresh.hit_tokens,
+                                                             fresh.ttft_s)
+    assert d.prefill == "p1" and d.hit_tokens >= 4000

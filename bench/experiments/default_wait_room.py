@@ -68,17 +68,15 @@ def evaluate(name: str, a: argparse.Namespace) -> list[dict[str, Any]]:
     ours = [[next(res) for _ in range(a.seeds)] for _ in points]
     rerun, oracle = [next(res) for _ in points], [next(res) for _ in points]
     out = []
-    for k, (page, ttft, load, pt) in enumerate(points):
-        mine = ours[k]
-        others = {k: v[:a.seeds] for k, v in pt["runs"].items() if k != S.DEFERRED}
+    for (page, ttft, load, pt), mine, check, by_oracle in zip(points, ours, rerun, oracle, strict=True):
+        others = {p: v[:a.seeds] for p, v in pt["runs"].items() if p != S.DEFERRED}
         runs = {SHIPPED: [x[0] for x in mine], **others}
         s = S.point_summary(runs, SHIPPED)
-        check = rerun[k]
         row = {"page": page, "ttft_s": ttft, "load": load, "runs": runs, "hits": {SHIPPED: [x[1] for x in mine],
-               **{k: v[:a.seeds] for k, v in pt["hits"].items() if k != S.DEFERRED}},
+               **{p: v[:a.seeds] for p, v in pt["hits"].items() if p != S.DEFERRED}},
                "page_setting": pt["setting"], "page_defer": pt["runs"][S.DEFERRED][:a.seeds],
                "check": {"policy": pt["best"][0], "stored": pt["runs"][pt["best"][0]][0], "rerun": check[0]},
-               "oracle": oracle[k][0], **s}
+               "oracle": by_oracle[0], **s}
         print(f"  {name} {ttft:g}s {load:g}: ratio {s['ratio_mean']:.3f} ({s['ratio_min']:.3f}-{s['ratio_max']:.3f}); "
               f"check {row['check']}", file=sys.stderr, flush=True)
         out.append(row)
