@@ -149,6 +149,37 @@ def test_offset_replays_the_requests_after_it_and_says_which(tmp_path):
     assert json.loads((tmp_path / "o" / "summary.json").read_text())["requests"] == 3
 
 
+def test_the_bound_over_the_requests_a_policy_served_is_the_trace_bound_when_it_served_them_all():
+    from loadgen.simulate.reuse import completed, reuse_bound, served_bound
+
+    w = workload(40, 2.0)
+    cap = 20_000
+    total, hit = served_bound(w, [r.index for r in w.requests], 16, cap)
+    assert total > 0 and hit / total == pytest.approx(reuse_bound(w, 16, cap)["lru_hit_ratio"])
+    # every first turn alone: nothing earlier in the set shares their prefix but the one shared block
+    firsts = [r.index for r in w.requests if r.turn in (None, 0)]
+    sub_total, sub_hit = served_bound(w, firsts, 16, 10**8)
+    assert 0 < sub_total < total and sub_hit / sub_total < reuse_bound(w, 16, 10**8)["infinite_hit_ratio"]
+    # overloaded, so some are refused: the set is the records completed, by trace index
+    r = run(n=120, rate=60.0, cluster=ClusterSpec(prefill=1, decode=1, seed=3), early_rejection=True,
+            slo=SLO(ttft_s=0.5, tbt_s=None))
+    done = completed(r.records)
+    assert done == {x.extra["trace_index"] for x in r.records if x.status == "ok"}
+    assert 0 < len(done) < 120
+
+
+def test_the_report_gives_each_policys_hit_beside_the_bound_over_its_completed_requests(tmp_path):
+    p = conductor("--synthetic", "--requests", "60", "--turns", "3", "--rate", "30", "--prefill", "1", "--decode",
+                  "1", "--compare", "round_robin", "--slo-ttft-ms", "1000", "--reuse-bound", "--quiet",
+                  "--out", str(tmp_path / "o"))
+    assert p.returncode == 0, p.stderr
+    s = json.loads((tmp_path / "o" / "summary.json").read_text())
+    for t in s["targets"]:
+        assert 0 < t["served_reuse_bound"] <= 1
+        assert f"{t['target']}: prefix hit {t['cached_tokens']['hit_ratio']:.1%}" in p.stdout
+    assert s["served_reuse_bound"] == s["targets"][0]["served_reuse_bound"]
+
+
 def test_the_command_writes_loadgens_outputs_and_is_byte_deterministic(tmp_path):
     args = ["--synthetic", "--requests", "40", "--turns", "2", "--rate", "3", "--prefill", "1", "--decode", "1",
             "--compare", "round_robin", "--slo-ttft-ms", "5000", "--slo-tbt-ms", "100", "--quiet"]

@@ -11,7 +11,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -133,6 +133,20 @@ def sim_arguments(p: Any, workloads: str, *, eval_requests: int = 1500, workers:
     p.add_argument("--workers", type=int, default=workers)
 
 
+def seeded_arguments(p: Any, workloads: str) -> Any:
+    """Parse a seeded page's options: ``sim_arguments``, seeds 0..N-1 (1-5, as the pages recorded),
+    the deferral pages' models, and ``--from-results``."""
+    sim_arguments(p, workloads)
+    p.add_argument("--seeds", type=int, default=5, help="seeds 0..N-1 per run (1-5; the pages recorded 5)")
+    p.add_argument("--reuse-models", action="store_true",
+                   help="use out/experiments/deferral/<workload>/models when present (else calibrate there)")
+    p.add_argument("--from-results", action="store_true", help="re-render the page from its results.json")
+    a = p.parse_args()
+    if not 1 <= a.seeds <= 5 or a.workers < 1:
+        p.error("--seeds must be 1-5 (the pages recorded 5) and --workers at least 1")
+    return a
+
+
 def mean(xs: Any) -> float | None:
     xs = [x for x in xs if x is not None]
     return sum(xs) / len(xs) if xs else None
@@ -169,6 +183,18 @@ def write_doc(path: Path, title: str, generated: str, discussion: str, command: 
             kept = text.split(END, 1)[1].lstrip("\n")
     stamp = f"{BEGIN}: by {command or command_line()}; edit below the END marker only -->"
     path.write_text(f"# {title}\n\n{stamp}\n{generated.rstrip()}\n{END}\n\n{kept.rstrip()}\n")
+
+
+def saved_or_run(page: str, from_results: bool, seeds: int, run: Callable[[], list[Any]]
+                 ) -> tuple[list[Any], str, int]:
+    """A seeded page's (results, command, seeds): its results.json with ``from_results``, else
+    ``run()``'s, saved there with this command line."""
+    if from_results:
+        saved = json.loads((DOCS / page / "results.json").read_text())
+        return saved["results"], saved["command"], saved["seeds"]
+    results, command = run(), command_line()
+    save_json(DOCS / page / "results.json", {"command": command, "seeds": seeds, "results": results})
+    return results, command, seeds
 
 
 def save_figure(fig: Any, path: Path, dpi: int) -> None:

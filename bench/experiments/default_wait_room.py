@@ -137,25 +137,14 @@ with the learned predictors and with the oracle's (the engine model's own timing
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    C.sim_arguments(p, "conversation,azure_code,synthetic")
-    p.add_argument("--seeds", type=int, default=5, help="seeds 0..N-1 per run (the pages recorded 5)")
-    p.add_argument("--reuse-models", action="store_true",
-                   help="use out/experiments/deferral/<workload>/models when present (else calibrate there)")
-    p.add_argument("--from-results", action="store_true", help="re-render the page from its results.json")
-    a = p.parse_args()
-    if not 1 <= a.seeds <= 5 or a.workers < 1:
-        p.error("--seeds must be 1-5 (the pages recorded 5) and --workers at least 1")
-    if a.from_results:
-        saved = json.loads((C.DOCS / PAGE / "results.json").read_text())
-        results, command, seeds = saved["results"], saved["command"], saved["seeds"]
-    else:
-        known = {n for by in SOURCES.values() for n in by}
-        unknown = [n for n in a.workloads.split(",") if n not in known]
-        if unknown:
-            p.error(f"--workloads: unknown {', '.join(unknown)} (one of {', '.join(sorted(known))})")
-        results = [{"workload": n, "points": evaluate(n, a)} for n in a.workloads.split(",")]
-        command, seeds = C.command_line(), a.seeds
-        C.save_json(C.DOCS / PAGE / "results.json", {"command": command, "seeds": seeds, "results": results})
+    a = C.seeded_arguments(p, "conversation,azure_code,synthetic")
+    known = {n for by in SOURCES.values() for n in by}
+    unknown = [n for n in a.workloads.split(",") if n not in known]
+    if unknown and not a.from_results:
+        p.error(f"--workloads: unknown {', '.join(unknown)} (one of {', '.join(sorted(known))})")
+    names = a.workloads.split(",")
+    results, command, seeds = C.saved_or_run(
+        PAGE, a.from_results, a.seeds, lambda: [{"workload": n, "points": evaluate(n, a)} for n in names])
     C.write_doc(C.DOCS / f"{PAGE}.md", "conductor as shipped: the wait room by default",
                 render(results, command, seeds),
                 "## Discussion\n\n(hand-written; kept when the command regenerates the block above)\n", command)

@@ -152,6 +152,11 @@ def format_table(outcome: SimOutcome) -> str:
     if rb:
         lines.append(f"prefix reuse bound: {rb['lru_hit_ratio']:.1%} with the cluster's cache "
                      f"({rb['capacity_tokens']:,} tokens, one global LRU), {rb['infinite_hit_ratio']:.1%} unbounded")
+        for t in s.get("targets") or [s]:
+            hit, served = t["cached_tokens"]["hit_ratio"], t.get("served_reuse_bound")
+            if hit is not None and served:
+                lines.append(f"{t['target']}: prefix hit {hit:.1%} of its completed requests' prompt tokens; "
+                             f"the same LRU fed only those requests reuses {served:.1%} ({hit / served:.2f} of it)")
     wall = sum(st.stats.wall_s for st in outcome.steps)
     events = sum(st.stats.events for st in outcome.steps)
     sim_s = sum(st.stats.sim_s for st in outcome.steps)

@@ -153,10 +153,17 @@ def build_summary(cfg: SimConfig, steps: list[SimStep]) -> dict[str, Any]:
     if cfg.reuse_bound:
         from engines_adapters.sim.profiles import load_profile
 
-        from .reuse import reuse_bound
+        from .reuse import completed, reuse_bound, served_bound
 
         cap = load_profile(c.profile).kv_capacity_tokens * (c.prefill + c.both)
         out["reuse_bound"] = reuse_bound(cfg.base, c.block_size, cap, cfg.endpoint, salt=f"sim-{cfg.seed}")
+        for t in per_policy:  # beside each policy's hit: the bound over the requests it completed
+            mine = [s for s in steps if s.policy == t["target"]]
+            counts = [served_bound(s.workload, completed(s.records), c.block_size, cap, cfg.endpoint,
+                                   salt=f"sim-{cfg.seed}") for s in mine]
+            total, hit = sum(n for n, _ in counts), sum(h for _, h in counts)
+            t["served_reuse_bound"] = hit / total if total else None
+        out["served_reuse_bound"] = per_policy[0]["served_reuse_bound"]
     if len(per_policy) > 1:
         out["targets"] = per_policy
         out["comparison"] = [compare(per_policy[0], t) for t in per_policy[1:]]
