@@ -88,7 +88,7 @@ def build_parser() -> Parser:
     o.add_argument("--reuse-bound", action="store_true",
                    help="also report the trace's prefix-reuse bound for the cluster's cache capacity (one global "
                         "LRU of the prefill instances' KV), and per policy the same LRU fed only the requests it "
-                        "completed; a few seconds per thousand requests")
+                        "completed; a second or two per thousand requests, for the trace and for each run")
     o.add_argument("--telemetry", metavar="PATH", help="also write every request's record (with token times) here")
     o.add_argument("--keep-token-times", action="store_true", help="write every token time to requests.jsonl")
     o.add_argument("--workers", type=positive_int, default=min(2, os.cpu_count() or 1),
