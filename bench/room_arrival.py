@@ -2,8 +2,9 @@
 decision_latency.py's 64P+64D world with ~100k indexed blocks (``--full``: ~1M).
 
 The room first evaluates an arrival (``Scheduler.evaluate``: is its chosen queue over the
-horizon?) and, when it goes at once, decides it (``Scheduler.decide``): two passes of the
-decision stages where deciding at arrival makes one. Two identical worlds (same seed) take the same
+horizon?) and, when it goes at once, decides it (``Scheduler.decide`` through the evaluation's
+frame: the evaluation's choice admitted again and committed) where deciding at arrival makes one
+pass of the decision stages. Two identical worlds (same seed) take the same
 request stream, alternating blocks of 100: conductor as shipped with its wait room (the horizon
 set past any queue, so every arrival goes at once: the light-load path) and conductor with
 ``defer=off``. Prints one JSON line: per-arrival thread-CPU and wall p50 / p99 for both, and their ratio.

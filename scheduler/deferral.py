@@ -374,8 +374,11 @@ class WaitRoom:
         return dataclasses.replace(w.facts, slo=SLO(ttft_s=ttft - (now - w.arrived_s), tbt_s=w.slo.tbt_s))
 
     def _decide(self, w: Waiter, facts: RequestFacts, now: float, avoid: set[str] | None = None) -> Decided:
+        """Dispatch (or refuse) a waiter its evaluation just judged: decided through that
+        evaluation's frame (nothing decided since), so its choice is admitted, not made again."""
+        frame = self._frame
         self._leave(w)
-        d = w.lc.decide(facts, avoid=avoid or ())
+        d = w.lc.decide(facts, avoid=avoid or (), frame=frame)
         d.explanation["deferred"] = self._note(w, now)
         self.counts["dispatched" if isinstance(d, Placement) else "refused"] += 1
         return w.lc, d

@@ -22,7 +22,11 @@ What a frame keeps, and why each is the same answer the evaluation would compute
 * per request (``matches``, owned by the caller and kept across frames): the hit index's answer
   for its prompt, valid while the index's ``version`` (bumped by every change) is the one it was
   computed at and the request's block-hash list is the very same object. An index without a
-  ``version`` is walked every time.
+  ``version`` is walked every time;
+* the last evaluation's context and policy choice (``keep_choice`` / ``chosen``), for a decision of
+  the very same facts object with the same exclusions that follows it through the frame (the wait
+  room letting the request go): the policy's choice is a pure function of what the frame holds and
+  the request's own random stream, so the decision admits and commits it instead of choosing again.
 
 Pure: no I/O, no clock of its own.
 """
@@ -42,7 +46,7 @@ MatchCache = dict[str, tuple[int, list[int], int, bool, "Match"]]
 class LoadFrame:
     """The load views of one instant; valid while nothing is decided (see the module docstring)."""
 
-    __slots__ = ("now", "matches", "prefill", "decode", "decode_load", "hits")
+    __slots__ = ("now", "matches", "prefill", "decode", "decode_load", "hits", "_chosen")
 
     def __init__(self, now: float, matches: MatchCache | None = None):
         self.now = now
@@ -52,6 +56,8 @@ class LoadFrame:
         self.decode: dict[tuple[str, ...], list[DecodeState]] = {}
         self.decode_load: dict[int, float] = {}  # eligible decode instances -> the ledger's decode load
         self.hits = 0  # answers given from the frame (tests and benchmarks read it)
+        # the last evaluation's context and choice, for a decision of the very same request facts
+        self._chosen: tuple[Any, frozenset[str], frozenset[str], Any, Any] | None = None
 
     def match(self, request_id: str, version: Any, hashes: list[int], usable: int, store: bool) -> Match | None:
         """The cached hit-index answer for this request, if still valid; None: walk the index."""
@@ -68,3 +74,16 @@ class LoadFrame:
                    m: Match) -> None:
         if version is not None:
             self.matches[request_id] = (version, hashes, usable, store, m)
+
+    def keep_choice(self, facts: Any, exclude: frozenset[str], avoid: frozenset[str], ctx: Any, choice: Any) -> None:
+        """An evaluation's policy choice (before admission), kept for a decision that follows it."""
+        self._chosen = (facts, exclude, avoid, ctx, choice)
+
+    def chosen(self, facts: Any, exclude: frozenset[str], avoid: frozenset[str]) -> tuple[Any, Any] | None:
+        """The kept choice, once, if it was made for these very facts (the same object: the same
+        request, SLO and prompt) with the same exclusions; None: decide from the stages' start."""
+        got, self._chosen = self._chosen, None
+        if got is None or got[0] is not facts or got[1] != exclude or got[2] != avoid:
+            return None
+        self.hits += 1
+        return got[3], got[4]

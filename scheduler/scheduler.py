@@ -280,9 +280,9 @@ class Scheduler:
                frame: LoadFrame | None = None) -> Placement | Rejection:
         """Place a request or refuse it; never raises. ``avoid``: prefill instances it must not be
         placed on, which still serve their cached prefix to a peer pull (the wait room's spill,
-        scheduler/deferral.py). ``frame``: the one an evaluation of this request was just made
-        through, nothing decided since (the wait room letting an arrival go at once): its load views
-        and hit-index answer are read again, not recomputed."""
+        scheduler/deferral.py). ``frame``: the one an evaluation of these very facts was just made
+        through, nothing decided since (the wait room letting a request go): its load views,
+        hit-index answer and policy choice are taken, not recomputed; admission runs again."""
         return self._guarded(facts, frozenset(), commit=True, avoid=avoid, frame=frame)
 
     def evaluate(self, facts: RequestFacts, avoid: Collection[str] = (),

@@ -40,13 +40,19 @@ def decide(sched: Scheduler, facts: Any, exclude: frozenset[str], commit: bool,
     now = sched.clock() if frame is None else frame.now
     try:
         _validate(sched, facts, now, commit)
-        ctx = DecisionContext(facts, now, sched.block_size, sched.predictors, _rng_for(sched, facts.request_id))
-        ctx.slo = admission.resolve_slo(sched.slo, facts.slo)
-        ctx.admit_fraction = sched._headroom(facts)
-        _eligible(sched, ctx, exclude)
-        _cache_facts(sched, ctx, frame)
-        _terms(sched, ctx, avoid, frame)
-        choice = _choose(sched, ctx)
+        made = frame.chosen(facts, exclude, avoid) if commit and frame is not None else None
+        if made is None:
+            ctx = DecisionContext(facts, now, sched.block_size, sched.predictors, _rng_for(sched, facts.request_id))
+            ctx.slo = admission.resolve_slo(sched.slo, facts.slo)
+            ctx.admit_fraction = sched._headroom(facts)
+            _eligible(sched, ctx, exclude)
+            _cache_facts(sched, ctx, frame)
+            _terms(sched, ctx, avoid, frame)
+            choice = _choose(sched, ctx)
+            if frame is not None and not commit:
+                frame.keep_choice(facts, exclude, avoid, ctx, choice)
+        else:  # the evaluation just made of these facts through this frame: its choice, admitted anew
+            ctx, choice = made
         if sched.overload is not None:
             _overload(sched, ctx, choice, commit)
         _admit(sched, ctx, choice, commit)

@@ -102,8 +102,8 @@ def test_a_waiters_index_walk_is_reused_until_the_index_changes_and_then_it_sees
     assert sched.index.block_stored("p1", block_hashes(text, BS)[:250], None, text[:250 * BS], BS, "GPU")
     clock.t = 0.04
     out = room.pump()
-    # walked twice: by the evaluation (a new index version), and by the committing decide (never cached)
-    assert len(walks) == 2 and [(lc.request_id, d.prefill) for lc, d in out] == [("w0", "p1")]
+    # walked once, by the evaluation (a new index version): the dispatch commits the choice it made
+    assert len(walks) == 1 and [(lc.request_id, d.prefill) for lc, d in out] == [("w0", "p1")]
     assert out[0][1].hit_tokens >= 4000 and room._matches == {}
 
 
@@ -176,14 +176,39 @@ def test_an_arrival_that_goes_at_once_is_decided_through_its_evaluations_frame()
     sched, clock, text = idle_world(True)
     arrival = RequestFacts("a", len(text), block_hashes(text, BS), 8)
     room = WaitRoom(sched)
-    walks = count(sched.index, "match")
+    walks, choices = count(sched.index, "match"), count(sched.policy, "choose_prefill")
     lc = RequestLifecycle(sched, RequestRecord("a", 0.0), clock)
     d = room.offer(lc, arrival)
     assert isinstance(d, Placement) and lc.phase is Phase.PLACED and room.counts["evaluations"] == 1
     assert len(walks) == 1 and room._matches == {}  # the decide reused the evaluation's walk, then forgot it
+    assert len(choices) == 1  # and its choice: admitted and committed, not made again
     plain, clock2, _ = idle_world(False)
     fresh = RequestLifecycle(plain, RequestRecord("a", 0.0), clock2).decide(arrival)
     assert isinstance(fresh, Placement)
     assert (d.prefill, d.decode, d.hit_tokens, d.ttft_s) == (fresh.prefill, fresh.decode, fresh.hit_tokens,
                                                              fresh.ttft_s)
     assert d.prefill == "p1" and d.hit_tokens >= 4000
+
+
+def test_a_pumps_dispatch_commits_the_choice_its_evaluation_made_and_places_as_a_fresh_decide():
+    """A waiter a pump dispatches is decided through its evaluation's frame: the policy chooses once
+    for both, and the placement is the one a decide from scratch gives in the same world."""
+    def drained():
+        sched, clock, room, texts = held_room(2)
+        clock.t = 0.02
+        sched.prefill_done("busy")  # p0's queue is empty: the waiters go there
+        return sched, clock, room, texts
+
+    sched, clock, room, _ = drained()
+    choices = count(sched.policy, "choose_prefill")
+    out = room.pump()
+    assert [(lc.request_id, d.prefill) for lc, d in out] == [("w0", "p0"), ("w1", "p0")]
+    assert len(choices) == 2  # one per waiter: its evaluation's, committed as it was
+    # the same world, each waiter decided from scratch at the pump's instant, in the pump's order
+    _, clock2, room2, _ = drained()
+    for (_, d), w in zip(out, [room2._waiting["w0"], room2._waiting["w1"]], strict=True):
+        room2._pop(w.facts.request_id)
+        fresh = w.lc.decide(room2._remaining(w, clock2.t))
+        assert isinstance(fresh, Placement)
+        assert (d.prefill, d.decode, d.hit_tokens, d.queue_s, d.ttft_s, d.tbt_s) == (
+            fresh.prefill, fresh.decode, fresh.hit_tokens, fresh.queue_s, fresh.ttft_s, fresh.tbt_s)

@@ -11,7 +11,8 @@ default): pull when the transfer is faster than the prefill it saves. An overloa
 loses to an idle instance that fetches the prefix itself, and that fetch is how hot prefixes
 replicate. The decode instance balances load: the lowest predicted TBT once this request joins.
 
-``conductor`` (the default) changes five things, each measured in the virtual-time simulator:
+``conductor`` (the default) changes five things, each measured in the virtual-time simulator (each
+turned off alone on the policy as shipped: docs/experiments/ablation-shipped.md):
 * the wait room (``WAIT_ROOM`` below, scheduler/deferral.py; ``defer=off`` decides at arrival, as
   Algorithm 1): a request behind more than 1 s of predicted prefill queue waits at the gateway,
   holding nothing, and the cheapest waiting request goes as queues drain. An engine serves its queue
