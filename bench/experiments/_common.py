@@ -147,6 +147,11 @@ def seeded_arguments(p: Any, workloads: str) -> Any:
     return a
 
 
+def seeds_label(n: int) -> str:
+    """"seeds 0-4" (or "seed 0"): which seeds a page ran."""
+    return f"seeds 0-{n - 1}" if n > 1 else "seed 0"
+
+
 def mean(xs: Any) -> float | None:
     xs = [x for x in xs if x is not None]
     return sum(xs) / len(xs) if xs else None

@@ -134,7 +134,7 @@ def render(results: list[dict[str, Any]], command: str, seeds: int) -> str:
 
 **Setup.** default-wait-room.md's points with reuse (8P+8D `llama3-70b-a800x8-gap`, calibrated
 predictors, the evaluation slices, TBT <= 200 ms, every policy admitting against the SLO),
-{f"seeds 0-{seeds - 1}" if seeds > 1 else "seed 0"}: conductor as shipped against the other built-in policy with
+{C.seeds_label(seeds)}: conductor as shipped against the other built-in policy with
 the most prefix hit there. Hit: prompt tokens served from cache over prompt tokens, on the requests each run completed
 (the engines' figure); means over the seeds. Requests are matched by their trace index within a seed.
 
