@@ -12,8 +12,10 @@ a pump between two evaluations. So one :class:`LoadFrame` answers them all, and 
 What a frame keeps, and why each is the same answer the evaluation would compute:
 
 * the time: evaluations through a frame run at ``now`` (the scheduler's clock read when the frame
-  was made). A virtual clock does not move inside a pump anyway; a live one moved a few
-  microseconds between evaluations;
+  was made), and so does a decision that follows them through it. A virtual clock does not move
+  inside a pump anyway; a live one moved by the evaluations made since (about a millisecond each,
+  at most ``defer_scan`` of them in a burst), which is also how old the views the room judged by
+  are; no other event touches the ledger inside a pump, so its clock still only moves forward;
 * per prefill pool (tuple of instance ids): the ledger's prefill views at ``now`` and the queue
   predictor's answer for each (pure functions of the ledger, the predictors and ``now``);
 * per decode pool: the ledger's decode states at ``now``; and the cluster's decode load (an EWMA
