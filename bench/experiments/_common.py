@@ -190,16 +190,23 @@ def write_doc(path: Path, title: str, generated: str, discussion: str, command: 
     path.write_text(f"# {title}\n\n{stamp}\n{generated.rstrip()}\n{END}\n\n{kept.rstrip()}\n")
 
 
-def saved_or_run(page: str, from_results: bool, seeds: int, run: Callable[[], list[Any]]
-                 ) -> tuple[list[Any], str, int]:
-    """A seeded page's (results, command, seeds): its results.json with ``from_results``, else
-    ``run()``'s, saved there with this command line."""
-    if from_results:
+#: the hand-written part of a new page, until someone writes it
+DISCUSSION = "## Discussion\n\n(hand-written; kept when the command regenerates the block above)\n"
+
+
+def seeded_page(page: str, title: str, a: Any, run: Callable[[], list[Any]],
+                render: Callable[[list[Any], str, int], str]) -> list[Any]:
+    """A seeded page (``seeded_arguments``): its results (``run()``'s, saved to its results.json with
+    this command line; with ``--from-results`` that file's), rendered into docs/experiments/PAGE.md."""
+    if a.from_results:
         saved = json.loads((DOCS / page / "results.json").read_text())
-        return saved["results"], saved["command"], saved["seeds"]
-    results, command = run(), command_line()
-    save_json(DOCS / page / "results.json", {"command": command, "seeds": seeds, "results": results})
-    return results, command, seeds
+        results, command, seeds = saved["results"], saved["command"], saved["seeds"]
+    else:
+        results, command, seeds = run(), command_line(), a.seeds
+        save_json(DOCS / page / "results.json", {"command": command, "seeds": seeds, "results": results})
+    write_doc(DOCS / f"{page}.md", title, render(results, command, seeds), DISCUSSION, command)
+    print(f"wrote {DOCS / page}.md")
+    return results
 
 
 def save_figure(fig: Any, path: Path, dpi: int) -> None:

@@ -176,11 +176,7 @@ def main() -> None:
     bad = [n for n in a.workloads.split(",") if n not in {m for m, _, _ in POINTS}]
     if bad and not a.from_results:
         p.error(f"--workloads: unknown {', '.join(bad)} (conversation, azure_code, synthetic)")
-    results, command, seeds = C.saved_or_run(PAGE, a.from_results, a.seeds, lambda: evaluate(a))
-    figure(results)
-    C.write_doc(C.DOCS / f"{PAGE}.md", "The ablation of conductor as shipped", render(results, command, seeds),
-                "## Discussion\n\n(hand-written; kept when the command regenerates the block above)\n", command)
-    print(f"wrote {C.DOCS / PAGE}.md")
+    figure(C.seeded_page(PAGE, "The ablation of conductor as shipped", a, lambda: evaluate(a), render))
 
 
 if __name__ == "__main__":

@@ -143,12 +143,8 @@ def main() -> None:
     if unknown and not a.from_results:
         p.error(f"--workloads: unknown {', '.join(unknown)} (one of {', '.join(sorted(known))})")
     names = a.workloads.split(",")
-    results, command, seeds = C.saved_or_run(
-        PAGE, a.from_results, a.seeds, lambda: [{"workload": n, "points": evaluate(n, a)} for n in names])
-    C.write_doc(C.DOCS / f"{PAGE}.md", "conductor as shipped: the wait room by default",
-                render(results, command, seeds),
-                "## Discussion\n\n(hand-written; kept when the command regenerates the block above)\n", command)
-    print(f"wrote {C.DOCS / PAGE}.md")
+    C.seeded_page(PAGE, "conductor as shipped: the wait room by default", a,
+                  lambda: [{"workload": n, "points": evaluate(n, a)} for n in names], render)
 
 
 if __name__ == "__main__":

@@ -100,11 +100,6 @@ def evaluate(name: str, a: argparse.Namespace) -> list[dict[str, Any]]:
     return out
 
 
-def _m(xs: list[Any]) -> float | None:
-    xs = [x for x in xs if x is not None]
-    return statistics.mean(xs) if xs else None
-
-
 def render(results: list[dict[str, Any]], command: str, seeds: int) -> str:
     bound = S.reuse_bounds()
     hit_rows, bound_rows = [], []
@@ -113,16 +108,17 @@ def render(results: list[dict[str, Any]], command: str, seeds: int) -> str:
         for pt in r["points"]:
             where = [name, f"{pt['ttft_s']:g} s", D.load_label(name, pt["load"])]
             ps = pt["pairs"]
-            ours, theirs = _m(pt["ours_hit"]), _m(pt["theirs_hit"])
-            ob, tb = _m([p["ours_both"] for p in ps]), _m([p["theirs_both"] for p in ps])
+            ours, theirs = C.mean(pt["ours_hit"]), C.mean(pt["theirs_hit"])
+            ob, tb = C.mean([p["ours_both"] for p in ps]), C.mean([p["theirs_both"] for p in ps])
             hit_rows.append([*where, pt["rival"], f"{C.pct(ours)} / {C.pct(theirs)}",
                              "yes" if ours >= theirs else "**no**",
-                             f"{_m([p['both'] for p in ps]):.0f}", f"**{C.pct(ob)}** / {C.pct(tb)}",
+                             f"{C.mean([p['both'] for p in ps]):.0f}", f"**{C.pct(ob)}** / {C.pct(tb)}",
                              "yes" if ob >= tb else "**no**",
-                             f"{_m([p['ours_only'] for p in ps]):.0f}: {C.pct(_m([p['ours_only_hit'] for p in ps]))}",
-                             f"{_m([p['theirs_only'] for p in ps]):.0f}: "
-                             f"{C.pct(_m([p['theirs_only_hit'] for p in ps]))}"])
-            b, osb, tsb = bound[name], _m(pt["ours_served_bound"]), _m(pt["theirs_served_bound"])
+                             f"{C.mean([p['ours_only'] for p in ps]):.0f}: "
+                             f"{C.pct(C.mean([p['ours_only_hit'] for p in ps]))}",
+                             f"{C.mean([p['theirs_only'] for p in ps]):.0f}: "
+                             f"{C.pct(C.mean([p['theirs_only_hit'] for p in ps]))}"])
+            b, osb, tsb = bound[name], C.mean(pt["ours_served_bound"]), C.mean(pt["theirs_served_bound"])
             bound_rows.append([*where, C.pct(b), f"{C.pct(ours)}: {ours / b:.2f}",
                                f"{C.pct(osb)}: **{ours / osb:.2f}**",
                                f"{pt['rival']} {C.pct(theirs)}: {theirs / b:.2f} / {theirs / tsb:.2f}"])
@@ -163,12 +159,8 @@ def main() -> None:
     bad = [n for n in names if n not in bound or bound[n] < S.NO_REUSE]
     if bad and not a.from_results:
         p.error(f"--workloads: {', '.join(bad)}: not a workload with reuse (conversation, synthetic)")
-    results, command, seeds = C.saved_or_run(
-        PAGE, a.from_results, a.seeds, lambda: [{"workload": n, "points": evaluate(n, a)} for n in names])
-    C.write_doc(C.DOCS / f"{PAGE}.md", "conductor's prefix hit on the same requests",
-                render(results, command, seeds),
-                "## Discussion\n\n(hand-written; kept when the command regenerates the block above)\n", command)
-    print(f"wrote {C.DOCS / PAGE}.md")
+    C.seeded_page(PAGE, "conductor's prefix hit on the same requests", a,
+                  lambda: [{"workload": n, "points": evaluate(n, a)} for n in names], render)
 
 
 if __name__ == "__main__":
